@@ -1,0 +1,46 @@
+# The two commands a newcomer types: `make run` and `make test`. Each sets itself up.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+SAMPLE := ../shared/data/c4/c4-train.00000-of-01024.head900.json.gz
+export KEDRO_DISABLE_TELEMETRY := true
+
+.PHONY: install run test lint viz mlflow-ui lock clean-data
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade "pip>=24"
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+install: $(STAMP)
+
+# Uses the C4 sample beside the repo when data/01_raw/c4 holds no shards yet.
+run: install
+	@if ! ls data/01_raw/c4/*.json* >/dev/null 2>&1 && [ -f $(SAMPLE) ]; then \
+		echo "copying the C4 sample into data/01_raw/c4/"; cp $(SAMPLE) data/01_raw/c4/; chmod u+w data/01_raw/c4/*; fi
+	$(BIN)/kedro run $(ARGS)
+
+test: install
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
+
+viz: install
+	$(BIN)/kedro viz run --host 127.0.0.1 --no-browser
+
+mlflow-ui: install
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1
+
+# Re-resolve the pins from pyproject's ranges (keep torch at 2.13.0 and mlflow at 3.17.x).
+lock:
+	rm -rf /tmp/titan-lock && $(PYTHON) -m venv /tmp/titan-lock
+	/tmp/titan-lock/bin/pip install -q "torch==2.13.0" "mlflow==3.17.*" -e '.[dev]'
+	/tmp/titan-lock/bin/pip freeze --exclude-editable | sed 's/^torch==2.13.0+cpu$$/torch==2.13.0/' > constraints.txt
+
+clean-data:
+	find data -type f ! -name .gitkeep -delete

@@ -1,0 +1,61 @@
+"""Resolve raw parameters into a validated job config, its train spec and model args."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from pydantic import ValidationError
+
+from titan_kedro.config.load import ConfigError, build_job_config, format_validation_error
+from titan_kedro.config.schema import JobConfig, ModelSection
+
+
+class ResolvedJob(NamedTuple):
+    config: JobConfig
+    """The validated config, with the spec's extensions merged in."""
+    spec: Any
+    """The ``TrainSpec`` named by ``model.name``."""
+    model_args: Any
+    """The flavor's args with ``model.overrides`` applied."""
+
+
+def resolve_job_config(raw: Mapping[str, Any], *, source: str = "parameters") -> ResolvedJob:
+    """Validate ``raw`` against the base config plus the chosen train spec's extensions.
+
+    Custom model modules are imported first (that runs user code), so their specs and
+    extensions take part. Cross-field checks that need the model (sequence length within
+    the model's limit, expert-parallel degree dividing the experts, …) run here too, so
+    every mistake surfaces before any worker starts.
+
+    Raises:
+        ConfigError: With the key path, the value and how to fix it.
+    """
+    from titan_kedro.models.registry import get_train_spec, import_custom_model
+
+    try:
+        model_section = ModelSection.model_validate(dict(raw).get("model") or {})
+    except ValidationError as err:
+        raise ConfigError(
+            format_validation_error(err, JobConfig, source).replace("'", "'model.", 1)
+        ) from None
+    try:
+        import_custom_model(model_section.custom_model_path, model_section.custom_import)
+        spec = get_train_spec(model_section.name)
+    except (ValueError, ImportError, FileNotFoundError) as err:
+        raise ConfigError(f"invalid job config ({source}): {err}") from err
+
+    cfg = build_job_config(raw, [spec.extensions], source=source)
+    try:
+        args = spec.resolve_args(cfg.model.flavor, cfg.model.overrides)
+        max_seq_len = getattr(args, "max_seq_len", None)
+        if max_seq_len is not None and cfg.training.seq_len > max_seq_len:
+            raise ValueError(
+                f"training.seq_len={cfg.training.seq_len} exceeds the model's max_seq_len="
+                f"{max_seq_len}; lower it or set model.overrides.max_seq_len"
+            )
+        if spec.validate_config_fn is not None:
+            spec.validate_config_fn(cfg, args)
+    except ValueError as err:
+        raise ConfigError(f"invalid job config ({source}): {err}") from err
+    return ResolvedJob(cfg, spec, args)

@@ -1,0 +1,274 @@
+"""The typed job config: one pydantic section per concern, every field documented.
+
+The same model is built from Kedro parameters (``conf/<env>/parameters_*.yml``) and from
+a TOML/YAML/JSON file plus dotted command-line overrides (the torchrun worker). Unknown
+keys are rejected everywhere (``extra="forbid"``); model train specs may add fields to a
+section through extensions (see ``titan_kedro.config.extensions``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """Base of every config section: strict about unknown keys, validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class JobSection(Section):
+    name: str = "titan-kedro"
+    """Human-readable run name, used as the MLflow run name and in log lines."""
+    seed: int = 42
+    """Seed for model init, data order and sampling; the same seed gives the same losses."""
+    dump_folder: str = "data/07_model_output/job"
+    """Where the resolved job config and worker summaries are written."""
+
+
+class DataSection(Section):
+    source: Literal["local", "hub"] = "local"
+    """``local``: C4 JSON-lines shards under ``raw_dir``; ``hub``: stream ``hub_dataset``."""
+    raw_dir: str = "data/01_raw/c4"
+    """Folder of ``*.json`` / ``*.json.gz`` C4 shards (must match the catalog's ``c4_raw``)."""
+    hub_dataset: str = "allenai/c4"
+    """Hugging Face dataset id streamed when ``source`` is ``hub``."""
+    hub_config: str = "en"
+    """Dataset config name on the hub."""
+    hub_split: str = "train"
+    """Split streamed from the hub."""
+    hub_max_documents: int = Field(10_000, gt=0)
+    """How many documents to take from the hub stream."""
+    token_dir: str = "data/05_model_input/tokens"
+    """Where packed ``uint32`` token files and ``metadata.json`` live."""
+    validation_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    """Share of documents held out for validation, chosen by a stable hash of the text."""
+    max_bad_fraction: float = Field(0.01, ge=0.0, le=1.0)
+    """Fail the run if more than this share of records is skipped as bad input."""
+    min_chars: int = Field(1, ge=1)
+    """Documents shorter than this (after stripping) are skipped as ``empty``."""
+    num_workers: int = Field(0, ge=0)
+    """Tokenizer processes; 0 means one per CPU core."""
+    batch_size: int = Field(512, gt=0)
+    """Documents per tokenizer batch."""
+    max_documents: int | None = Field(None, gt=0)
+    """Stop after this many documents in total (None: the whole corpus)."""
+
+
+class TokenizerSection(Section):
+    name_or_path: str = "deepseek-ai/DeepSeek-V2-Lite"
+    """A local folder, a hub id (via the HF cache), else the offline DeepSeek-V2 files."""
+
+
+class ModelSection(Section):
+    name: str = "deepseek_v2"
+    """Registered train spec name (``deepseek_v2``, ``llama3`` or a custom one)."""
+    flavor: str = "debugmodel"
+    """Named model size inside the spec (``debugmodel``, ``v2-lite``, ``v2``, ``8B`` …)."""
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """Model-argument overrides applied on top of the flavor (``{n_layers: 2}``)."""
+    custom_model_path: str | None = None
+    """A ``.py`` file imported before resolution; it calls ``register_train_spec``. Runs user code."""
+    custom_import: str | None = None
+    """A dotted module imported before resolution; it calls ``register_train_spec``. Runs user code."""
+
+
+class TrainingSection(Section):
+    steps: int = Field(200, gt=0)
+    """Optimizer steps to train for."""
+    seq_len: int = Field(256, gt=0)
+    """Tokens per sample (windows of ``seq_len + 1`` give inputs and shifted labels)."""
+    local_batch_size: int = Field(4, gt=0)
+    """Samples per device per micro-batch."""
+    global_batch_size: int | None = Field(None, gt=0)
+    """Samples per optimizer step over all data-parallel ranks; None = local × dp (no accumulation)."""
+    max_norm: float = Field(1.0, ge=0.0)
+    """Clip gradients to this global L2 norm; 0 disables clipping."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto`` picks CUDA + NCCL when GPUs exist, else CPU + gloo."""
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    """Compute dtype of parameters under FSDP on GPU (CPU trains in float32)."""
+    mixed_precision_reduce: Literal["bfloat16", "float32"] = "float32"
+    """Gradient reduce-scatter dtype on GPU."""
+    activation_checkpoint: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in backward: none, every other block (selective), or every block."""
+    compile: bool = False
+    """Wrap each transformer block in ``torch.compile``."""
+    deterministic: bool = False
+    """Use deterministic algorithms (slower on GPU)."""
+    num_threads: int = Field(0, ge=0)
+    """CPU threads per worker; 0 = cores / local processes."""
+
+
+class OptimizerSection(Section):
+    name: Literal["AdamW"] = "AdamW"
+    """Optimizer class."""
+    lr: float = Field(8e-4, gt=0)
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam betas."""
+    eps: float = Field(1e-8, gt=0)
+    """Adam epsilon."""
+    weight_decay: float = Field(0.1, ge=0)
+    """Decoupled weight decay."""
+    no_decay_norm_bias_embed: bool = True
+    """Exempt norms, biases and embeddings from weight decay."""
+
+
+class LRSchedulerSection(Section):
+    warmup_steps: int = Field(10, ge=0)
+    """Linear warmup from ~0 to ``optimizer.lr``."""
+    decay_ratio: float | None = Field(None, ge=0.0, le=1.0)
+    """Share of steps spent decaying at the end; None = decay over all steps after warmup."""
+    decay_type: Literal["linear", "cosine", "sqrt"] = "cosine"
+    """Shape of the decay phase."""
+    min_lr: float = Field(0.0, ge=0.0)
+    """Learning rate reached at the last step."""
+
+
+class ParallelismSection(Section):
+    data_parallel_replicate_degree: int = Field(1, ge=1)
+    """HSDP replicas (pure data parallel, gradients all-reduced)."""
+    data_parallel_shard_degree: int = Field(-1, ge=-1)
+    """FSDP2 shard degree; -1 takes whatever the world size leaves."""
+
+
+class LaunchSection(Section):
+    nproc_per_node: int = Field(1, ge=1)
+    """Worker processes per node (one per GPU on CUDA)."""
+    nnodes: int = Field(1, ge=1)
+    """Number of nodes."""
+    node_rank: int = Field(0, ge=0)
+    """This node's rank (only used without rendezvous)."""
+    rdzv_endpoint: str | None = None
+    """``host:port`` of the c10d rendezvous for multi-node runs; None = standalone."""
+    rdzv_id: str = "titan-kedro"
+    """Rendezvous id shared by every node of one job."""
+    max_restarts: int = Field(0, ge=0)
+    """torchrun restarts the worker group this often; training resumes from the latest checkpoint."""
+    log_dir: str = "data/07_model_output/logs"
+    """torchrun's per-worker log folder."""
+    timeout_s: int | None = Field(None, gt=0)
+    """Kill the whole launch after this many seconds (None: no limit)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+class CheckpointSection(Section):
+    enable: bool = True
+    """Write distributed checkpoints."""
+    folder: str = "data/06_models/checkpoints"
+    """Checkpoint root; each step is ``step-<n>``."""
+    interval: int = Field(50, gt=0)
+    """Save every this many steps (and always at the end)."""
+    keep_latest_k: int = Field(2, ge=1)
+    """Keep only the newest k complete checkpoints."""
+    resume: str = "auto"
+    """``auto``: continue from the latest checkpoint; ``never``; or a checkpoint path."""
+
+
+class MetricsSection(Section):
+    log_freq: int = Field(1, gt=0)
+    """Log step metrics every this many steps (rank 0 only)."""
+    enable_mlflow: bool = True
+    """Send metrics to the MLflow run given by ``MLFLOW_RUN_ID``."""
+    peak_tflops: float | None = Field(None, gt=0)
+    """Override the device peak used for MFU (None: table for GPUs, measured on CPU)."""
+
+
+class ValidationSection(Section):
+    freq: int = Field(0, ge=0)
+    """Evaluate held-out loss every this many steps; 0 disables it during training."""
+    steps: int = Field(4, gt=0)
+    """Batches per validation pass."""
+
+
+class EvaluationSection(Section):
+    batches: int = Field(8, gt=0)
+    """Validation batches for the final ``val_loss``."""
+    num_prompts: int = Field(3, gt=0)
+    """Prompts taken from validation documents for sample generations."""
+    prompt_tokens: int = Field(16, gt=0)
+    """Tokens of each prompt."""
+    max_new_tokens: int = Field(32, gt=0)
+    """Tokens generated per prompt."""
+    top_k: int = Field(20, gt=0)
+    """Top-k for sampled generations (greedy is always included)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature."""
+
+
+class ExportSection(Section):
+    folder: str = "data/06_models/hf"
+    """Hugging Face export folder."""
+
+
+class JobConfig(BaseModel):
+    """The whole job. Sections may be widened by train-spec extensions."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    job: JobSection = Field(default_factory=JobSection)
+    data: DataSection = Field(default_factory=DataSection)
+    tokenizer: TokenizerSection = Field(default_factory=TokenizerSection)
+    model: ModelSection = Field(default_factory=ModelSection)
+    training: TrainingSection = Field(default_factory=TrainingSection)
+    optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
+    lr_scheduler: LRSchedulerSection = Field(default_factory=LRSchedulerSection)
+    parallelism: ParallelismSection = Field(default_factory=ParallelismSection)
+    launch: LaunchSection = Field(default_factory=LaunchSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    metrics: MetricsSection = Field(default_factory=MetricsSection)
+    validation: ValidationSection = Field(default_factory=ValidationSection)
+    evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
+    export: ExportSection = Field(default_factory=ExportSection)
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> JobConfig:
+        world = self.launch.world_size
+        rep = self.parallelism.data_parallel_replicate_degree
+        shard = self.parallelism.data_parallel_shard_degree
+        if shard == -1:
+            if world % rep:
+                raise ValueError(
+                    f"parallelism.data_parallel_replicate_degree={rep} does not divide the world "
+                    f"size {world} (launch.nproc_per_node × launch.nnodes); pick a divisor of {world}"
+                )
+        elif rep * shard != world:
+            raise ValueError(
+                f"parallelism: replicate {rep} × shard {shard} = {rep * shard}, but the world size "
+                f"is {world} (launch.nproc_per_node={self.launch.nproc_per_node} × "
+                f"launch.nnodes={self.launch.nnodes}); set data_parallel_shard_degree: -1 "
+                "or make the product equal the world size"
+            )
+        dp = self.dp_degree
+        gbs = self.training.global_batch_size
+        if gbs is not None and gbs % (self.training.local_batch_size * dp):
+            raise ValueError(
+                f"training.global_batch_size={gbs} must be a multiple of training.local_batch_size="
+                f"{self.training.local_batch_size} × data-parallel degree {dp}"
+            )
+        if self.model.custom_model_path and self.model.custom_import:
+            raise ValueError("set only one of model.custom_model_path and model.custom_import")
+        return self
+
+    @property
+    def dp_degree(self) -> int:
+        """Data-parallel degree: every rank of the world reads different data."""
+        return self.launch.world_size
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Micro-batches per optimizer step on each rank."""
+        gbs = self.training.global_batch_size
+        if gbs is None:
+            return 1
+        return gbs // (self.training.local_batch_size * self.dp_degree)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.training.local_batch_size * self.dp_degree * self.grad_accum_steps

@@ -1,0 +1,31 @@
+"""Project hooks."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kedro.framework.hooks import hook_impl
+
+from titan_kedro.config import resolve_job_config
+
+logger = logging.getLogger(__name__)
+
+
+class ValidateJobConfigHook:
+    """Validate the parameters as a typed job config before any node runs.
+
+    An unknown key, a wrong type or an impossible parallel layout fails here, with the
+    key path and a suggestion, instead of minutes into a run.
+    """
+
+    @hook_impl
+    def after_context_created(self, context: Any) -> None:
+        resolved = resolve_job_config(context.params, source=f"conf/{context.env or 'local'} + --params")
+        logger.info(
+            "job config OK: model %s/%s, %d steps, world size %d",
+            resolved.config.model.name,
+            resolved.config.model.flavor,
+            resolved.config.training.steps,
+            resolved.config.launch.world_size,
+        )

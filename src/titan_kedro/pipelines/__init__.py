@@ -1,0 +1,1 @@
+"""Kedro pipelines: thin nodes over the library code in config/, data/, models/ and train/."""
