@@ -1,0 +1,74 @@
+"""Shared fixtures: C4-format shards (the real sample beside the repo when present)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_SAMPLE = REPO.parent / "shared" / "data" / "c4" / "c4-train.00000-of-01024.head900.json.gz"
+
+_WORDS = (
+    "the of and to in a is that for it as was with be by on not he this are or his from at "
+    "which but have an they you were her she there been one all we their has would when if "
+    "so no will more can about said time people year new first could also into some only "
+    "data model train token expert router layer weight language river garden music history "
+    "city market science school water energy family health story night world great small"
+).split()
+
+
+def write_c4_shard(path: Path, n_docs: int, *, seed: int = 0) -> Path:
+    """Write a gzip JSON-lines shard in allenai/c4 format with ``n_docs`` synthetic docs."""
+    rng = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt", encoding="utf-8") as fh:
+        for i in range(n_docs):
+            sentences = []
+            for _ in range(rng.randint(2, 12)):
+                words = rng.choices(_WORDS, k=rng.randint(5, 20))
+                sentences.append(" ".join(words).capitalize() + ".")
+            record = {
+                "text": " ".join(sentences),
+                "timestamp": "2019-04-25T12:57:54Z",
+                "url": f"https://example.com/doc/{seed}/{i}",
+            }
+            fh.write(json.dumps(record) + "\n")
+    return path
+
+
+def c4_documents(n_docs: int = 200) -> list[str]:
+    """Real C4 texts from the shared sample when present, else synthetic ones."""
+    if SHARED_SAMPLE.exists():
+        with gzip.open(SHARED_SAMPLE, "rt", encoding="utf-8") as fh:
+            return [json.loads(line)["text"] for _, line in zip(range(n_docs), fh)]
+    rng = random.Random(0)
+    return [
+        " ".join(" ".join(rng.choices(_WORDS, k=12)).capitalize() + "." for _ in range(6))
+        for _ in range(n_docs)
+    ]
+
+
+@pytest.fixture
+def c4_dir(tmp_path: Path) -> Path:
+    """A folder holding one C4-format shard: the real 900-document sample, or generated."""
+    raw = tmp_path / "c4"
+    raw.mkdir()
+    if SHARED_SAMPLE.exists():
+        target = raw / SHARED_SAMPLE.name
+        shutil.copyfile(SHARED_SAMPLE, target)
+    else:
+        write_c4_shard(raw / "c4-train.00000-of-01024.json.gz", 900)
+    return raw
+
+
+@pytest.fixture
+def small_c4_dir(tmp_path: Path) -> Path:
+    """A folder with one small generated shard (200 documents), for fast tests."""
+    raw = tmp_path / "c4_small"
+    write_c4_shard(raw / "c4-train.00000-of-00002.json.gz", 200)
+    return raw
