@@ -11,6 +11,7 @@ reset such fields to the type's zero value), values from YAML/CLI still win, and
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
@@ -65,15 +66,20 @@ def merge_extensions(*extension_sets: Extensions) -> type[JobConfig]:
     Raises:
         ValueError: An extension names an unknown section or redefines a field.
     """
+    # Cached, so the same extensions always give the same class (configs compare equal).
+    return _merge(tuple(item for ext in extension_sets for item in ext.items()))
+
+
+@functools.cache
+def _merge(items: tuple[tuple[str, type[BaseModel]], ...]) -> type[JobConfig]:
     by_section: dict[str, list[type[BaseModel]]] = {}
-    for extensions in extension_sets:
-        for section, ext in extensions.items():
-            if section not in JobConfig.model_fields:
-                raise ValueError(
-                    f"config extension {ext.__name__} targets unknown section '{section}'; "
-                    f"sections are {sorted(JobConfig.model_fields)}"
-                )
-            by_section.setdefault(section, []).append(ext)
+    for section, ext in items:
+        if section not in JobConfig.model_fields:
+            raise ValueError(
+                f"config extension {ext.__name__} targets unknown section '{section}'; "
+                f"sections are {sorted(JobConfig.model_fields)}"
+            )
+        by_section.setdefault(section, []).append(ext)
     if not by_section:
         return JobConfig
 

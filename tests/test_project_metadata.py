@@ -1,0 +1,55 @@
+"""Project wiring: metadata files agree, settings and ignores are as documented."""
+
+from __future__ import annotations
+
+import subprocess
+import tomllib
+from pathlib import Path
+
+import yaml
+from kedro.framework.startup import bootstrap_project
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_legacy_kedro_yml_mirrors_pyproject() -> None:
+    tool_kedro = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["kedro"]
+    legacy = yaml.safe_load((REPO / ".kedro.yml").read_text())
+    for key in ("project_name", "package_name", "kedro_init_version", "source_dir"):
+        assert legacy[key] == tool_kedro[key], key
+    assert "ignores this file" in (REPO / ".kedro.yml").read_text()
+
+
+def test_kedro_reads_the_metadata() -> None:
+    metadata = bootstrap_project(REPO)
+    assert metadata.package_name == "titan_kedro"
+    assert metadata.project_name == "Titan Kedro"
+
+
+def test_settings_layer_parameters_softly() -> None:
+    from titan_kedro import settings
+
+    assert settings.CONFIG_LOADER_ARGS["base_env"] == "base"
+    assert settings.CONFIG_LOADER_ARGS["default_run_env"] == "local"
+    assert settings.CONFIG_LOADER_ARGS["merge_strategy"] == {"parameters": "soft"}
+
+
+def test_data_and_secrets_are_ignored_but_layer_folders_kept() -> None:
+    def ignored(path: str) -> bool:
+        return subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO).returncode == 0
+
+    for path in ("data/01_raw/c4/shard.json.gz", "conf/local/credentials.yml", "mlflow.db",
+                 "mlruns/0/meta.yaml", ".venv/bin/python", "build/x"):
+        assert ignored(path), path
+    for path in ("data/01_raw/.gitkeep", "conf/local/.gitkeep"):
+        assert not ignored(path), path
+
+
+def test_constraints_pin_torch_and_mlflow_exactly() -> None:
+    pins = dict(
+        line.split("==", 1)
+        for line in (REPO / "constraints.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    )
+    assert pins["torch"] == "2.13.0"
+    assert pins["mlflow"].startswith("3.17.")
