@@ -1,0 +1,224 @@
+"""Layers shared by the model families: RMSNorm, rotary embeddings and the SwiGLU FFN.
+
+Rotary embeddings are kept as complex numbers ``freqs_cis[pos, i] = a · e^{i·pos·θ_i}``
+(``a`` = 1 except for YaRN's attention factor). Two ways to rotate a head are offered
+because checkpoints disagree on which channels form a pair:
+
+- ``apply_rotary_emb``: interleaved pairs ``(x0, x1), (x2, x3), …`` (Meta / DeepSeek /
+  torchtitan layout; DeepSeek-V2 in transformers uses it too);
+- ``apply_rotary_emb_half``: pairs ``(x_i, x_{i+d/2})`` (the "rotate half" layout of
+  transformers' Llama), so Hugging Face Llama weights load without permuting q/k rows.
+
+Frequency scalings: Llama 3 (long wavelengths slowed down, smooth in between) and YaRN
+(NTK-by-parts interpolation plus an attention-temperature factor ``mscale``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned gain, computed in float32 like transformers."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Cast back before the gain, as transformers does, so bf16 outputs match bit for bit.
+        return self.weight * x.to(dtype)
+
+    def reset_parameters(self) -> None:
+        """Gain back to one."""
+        nn.init.ones_(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class FeedForward(nn.Module):
+    """SwiGLU feed-forward: ``w2(silu(w1 x) * w3 x)``, no biases.
+
+    Args:
+        dim: Model width (input and output).
+        hidden_dim: Width of the gated hidden layer.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, init_std: float = 0.02) -> None:
+        """Input projection at std 0.02; the others at ``init_std`` (depth-scaled by callers)."""
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for linear in (self.w2, self.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1 frequency scaling (transformers ``rope_type: llama3``)."""
+
+    factor: float = 8.0
+    """Divide the lowest frequencies by this."""
+    low_freq_factor: float = 1.0
+    """Wavelengths above ``original_max_position_embeddings / low_freq_factor`` are fully scaled."""
+    high_freq_factor: float = 4.0
+    """Wavelengths below ``original_max_position_embeddings / high_freq_factor`` are kept."""
+    original_max_position_embeddings: int = 8192
+    """Context length the model was pretrained with before scaling."""
+
+
+@dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN frequency scaling (transformers ``rope_type: yarn``, DeepSeek-V2's ``rope_scaling``)."""
+
+    factor: float
+    """Context extension factor (40 for DeepSeek-V2)."""
+    original_max_position_embeddings: int
+    """Context length before extension (4096 for DeepSeek-V2)."""
+    beta_fast: float = 32.0
+    """Rotations above which a frequency is left untouched (extrapolated)."""
+    beta_slow: float = 1.0
+    """Rotations below which a frequency is fully interpolated."""
+    mscale: float = 1.0
+    """Numerator coefficient of the attention factor applied to cos/sin."""
+    mscale_all_dim: float = 0.0
+    """Denominator coefficient of that factor; when non-zero the softmax scale is also
+    multiplied by ``yarn_get_mscale(factor, mscale_all_dim) ** 2``."""
+    truncate: bool = True
+    """Round the correction range outwards to whole dimensions."""
+
+    def attention_factor(self) -> float:
+        """Magnitude given to ``freqs_cis`` (scales both q and k of the rotary part)."""
+        if self.mscale and self.mscale_all_dim:
+            return yarn_get_mscale(self.factor, self.mscale) / yarn_get_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return yarn_get_mscale(self.factor)
+
+    def softmax_scale_multiplier(self) -> float:
+        """Multiplier of the ``1/sqrt(head_dim)`` softmax scale (DeepSeek's ``mscale²``)."""
+        if not self.mscale_all_dim:
+            return 1.0
+        return yarn_get_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
+RopeScaling = Llama3RopeScaling | YarnRopeScaling
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``0.1 · mscale · ln(scale) + 1`` (1 when not extending)."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(dim: int, theta: float) -> torch.Tensor:
+    """Plain RoPE inverse frequencies ``theta^(-2i/dim)``, float32 ``[dim // 2]``."""
+    if dim % 2:
+        raise ValueError(f"rotary dimension must be even, got {dim}")
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:
+    """Apply Llama 3.1 scaling to plain inverse frequencies."""
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def yarn_inv_freq(dim: int, theta: float, scaling: YarnRopeScaling) -> torch.Tensor:
+    """YaRN inverse frequencies: interpolate low frequencies, keep high ones, ramp between."""
+
+    def correction_dim(num_rotations: float) -> float:
+        # Dimension whose wavelength fits ``num_rotations`` times into the original context.
+        return (
+            dim * math.log(scaling.original_max_position_embeddings / (num_rotations * 2 * math.pi))
+        ) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid dividing by zero in the ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = rope_inv_freq(dim, theta)
+    interpolation = extrapolation / scaling.factor
+    keep = 1 - ramp  # 1 for high frequencies (kept), 0 for low ones (interpolated)
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def precompute_freqs_cis(
+    dim: int, end: int, theta: float = 10000.0, scaling: RopeScaling | None = None
+) -> torch.Tensor:
+    """Rotations for positions ``0 … end-1``: complex64 ``[end, dim // 2]``.
+
+    Args:
+        dim: Rotary dimension (head dim, or DeepSeek's ``qk_rope_head_dim``).
+        end: Number of positions (the model's ``max_seq_len``).
+        theta: RoPE base.
+        scaling: Optional Llama 3 or YaRN frequency scaling. YaRN also scales the
+            magnitude by its attention factor, as transformers does.
+    """
+    if isinstance(scaling, YarnRopeScaling):
+        inv_freq = yarn_inv_freq(dim, theta, scaling)
+        magnitude = scaling.attention_factor()
+    else:
+        inv_freq = rope_inv_freq(dim, theta)
+        if isinstance(scaling, Llama3RopeScaling):
+            inv_freq = llama3_inv_freq(inv_freq, scaling)
+        magnitude = 1.0
+    angles = torch.outer(torch.arange(end, dtype=torch.float32), inv_freq)
+    return torch.polar(torch.full_like(angles, magnitude), angles)
+
+
+def _broadcast_freqs(freqs_cis: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # x: [batch, seq, heads, pairs]; freqs_cis: [>= seq, pairs] -> [1, seq, 1, pairs]
+    seq = x.shape[1]
+    if freqs_cis.shape[0] < seq:
+        raise ValueError(
+            f"sequence length {seq} exceeds the {freqs_cis.shape[0]} precomputed rotary "
+            "positions; raise the model's max_seq_len"
+        )
+    return freqs_cis[:seq].view(1, seq, 1, x.shape[-1])
+
+
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved channel pairs of ``x`` ``[batch, seq, heads, dim]``; float32 inside."""
+    x_c = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    out = torch.view_as_real(x_c * _broadcast_freqs(freqs_cis, x_c)).flatten(-2)
+    return out.type_as(x)
+
+
+def apply_rotary_emb_half(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs ``(i, i + dim/2)`` of ``x`` ``[batch, seq, heads, dim]`` (HF Llama layout)."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    freqs = _broadcast_freqs(freqs_cis, xf[..., :half])
+    cos, sin = freqs.real, freqs.imag
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
