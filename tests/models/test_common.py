@@ -42,24 +42,38 @@ def test_feedforward_is_swiglu() -> None:
     torch.manual_seed(0)
     ffn = FeedForward(8, 24)
     x = torch.randn(5, 8)
-    expected = (torch.nn.functional.silu(x @ ffn.w1.weight.T) * (x @ ffn.w3.weight.T)) @ ffn.w2.weight.T
+    expected = (
+        torch.nn.functional.silu(x @ ffn.w1.weight.T) * (x @ ffn.w3.weight.T)
+    ) @ ffn.w2.weight.T
     torch.testing.assert_close(ffn(x), expected)
     ffn.init_weights(init_std=0.001)
     assert ffn.w2.weight.std() < 0.002 < ffn.w1.weight.std()
 
 
 def test_plain_and_llama3_frequencies_match_transformers() -> None:
-    plain = LlamaConfig(hidden_size=256, num_attention_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    plain = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    )
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))
     ours = precompute_freqs_cis(128, 10, theta=plain.rope_parameters["rope_theta"])
-    torch.testing.assert_close(ours.angle()[3], torch.remainder(3 * inv_freq + math.pi, 2 * math.pi) - math.pi)
+    torch.testing.assert_close(
+        ours.angle()[3], torch.remainder(3 * inv_freq + math.pi, 2 * math.pi) - math.pi
+    )
 
     cfg = LlamaConfig(
         hidden_size=256,
         num_attention_heads=2,
         max_position_embeddings=131072,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
     )
     ref_inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg)
     freqs = precompute_freqs_cis(128, 2, theta=500000.0, scaling=Llama3RopeScaling())
@@ -69,13 +83,30 @@ def test_plain_and_llama3_frequencies_match_transformers() -> None:
 
 @pytest.mark.parametrize("mscale_all_dim", [0.707, 0.0])
 def test_yarn_frequencies_and_factor_match_transformers(mscale_all_dim: float) -> None:
-    params = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
-              "mscale": 0.707, "mscale_all_dim": mscale_all_dim, "beta_fast": 32, "beta_slow": 1}
-    cfg = DeepseekV2Config(hidden_size=64, num_attention_heads=4, qk_rope_head_dim=64,
-                           max_position_embeddings=163840, rope_parameters=params)
+    params = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "mscale": 0.707,
+        "mscale_all_dim": mscale_all_dim,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    }
+    cfg = DeepseekV2Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        qk_rope_head_dim=64,
+        max_position_embeddings=163840,
+        rope_parameters=params,
+    )
     ref_inv_freq, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg)
-    scaling = YarnRopeScaling(factor=40.0, original_max_position_embeddings=4096, mscale=0.707,
-                              mscale_all_dim=mscale_all_dim)
+    scaling = YarnRopeScaling(
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        mscale=0.707,
+        mscale_all_dim=mscale_all_dim,
+    )
     freqs = precompute_freqs_cis(64, 2, theta=10000.0, scaling=scaling)
     torch.testing.assert_close(freqs[1].angle(), ref_inv_freq)
     torch.testing.assert_close(freqs.abs(), torch.full_like(freqs.abs(), ref_factor))
@@ -90,7 +121,9 @@ def test_interleaved_rotation_matches_transformers_deepseek() -> None:
     q, k = torch.randn(2, 5, 3, 8), torch.randn(2, 5, 1, 8)
     freqs = precompute_freqs_cis(8, 7)
     # transformers' DeepSeek-V2 takes [batch, heads, seq, dim] and per-batch freqs.
-    ref_q, ref_k = hf_deepseek_rotary(q.transpose(1, 2), k.transpose(1, 2), freqs[:5].expand(2, 5, 4))
+    ref_q, ref_k = hf_deepseek_rotary(
+        q.transpose(1, 2), k.transpose(1, 2), freqs[:5].expand(2, 5, 4)
+    )
     torch.testing.assert_close(apply_rotary_emb(q, freqs), ref_q.transpose(1, 2))
     torch.testing.assert_close(apply_rotary_emb(k, freqs), ref_k.transpose(1, 2))
 
