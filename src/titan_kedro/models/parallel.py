@@ -1,0 +1,134 @@
+"""Parallelism shared by every model family: activation checkpointing, compile, FSDP2.
+
+A model's ``parallelize_fn`` calls these in the order AC → compile → FSDP (each wraps
+or shards the blocks in ``model.layers``). Families with extra dimensions (expert
+parallelism) shard their extra parameters through ``apply_fsdp``'s ``before_block``
+hook and reuse the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+AcMode = Literal["none", "selective", "full"]
+
+
+def _blocks(model: nn.Module) -> nn.ModuleDict:
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleDict):
+        raise TypeError(
+            f"{type(model).__name__} has no 'layers' nn.ModuleDict of blocks; the shared "
+            "parallelize helpers need one (see docs/ARCHITECTURE.md, Models)"
+        )
+    return layers
+
+
+def apply_ac(model: nn.Module, mode: AcMode) -> nn.Module:
+    """Recompute block activations in backward instead of storing them.
+
+    Args:
+        model: A model with ``model.layers`` (``nn.ModuleDict`` of blocks).
+        mode: ``none``; ``selective`` wraps every other block (0, 2, 4, …); ``full``
+            wraps every block.
+
+    Returns:
+        The same model, blocks replaced in place by checkpoint wrappers (parameter names
+        seen by ``state_dict`` are unchanged).
+    """
+    if mode not in ("none", "selective", "full"):
+        raise ValueError(
+            f"training.activation_checkpoint={mode!r} is unknown; use none, selective or full"
+        )
+    if mode == "none":
+        return model
+    layers = _blocks(model)
+    for index, (name, block) in enumerate(list(layers.items())):
+        if mode == "full" or index % 2 == 0:
+            layers[name] = checkpoint_wrapper(block, preserve_rng_state=True)
+    return model
+
+
+def apply_compile(model: nn.Module) -> nn.Module:
+    """Compile each block in place with ``torch.compile`` (names and state dicts unchanged)."""
+    for block in _blocks(model).values():
+        block.compile()
+    return model
+
+
+def mixed_precision(param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    """FSDP2 policy: compute in ``param_dtype``, reduce gradients in ``reduce_dtype``."""
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+    before_block: Callable[[nn.Module, dict[str, Any]], None] | None = None,
+) -> nn.Module:
+    """Shard every block, then the rest of the model, with FSDP2 ``fully_shard``.
+
+    Args:
+        model: A model with ``model.layers``.
+        dp_mesh: 1-D mesh (FSDP) or 2-D ``(replicate, shard)`` mesh (HSDP).
+        param_dtype: Dtype parameters are gathered and computed in.
+        reduce_dtype: Dtype of the gradient reduce-scatter / all-reduce.
+        reshard_after_forward: Free gathered block parameters after forward (ZeRO-3);
+            ``False`` keeps them until backward (ZeRO-2, more memory, less communication).
+        before_block: Called as ``before_block(block, fsdp_kwargs)`` before each block is
+            sharded, e.g. to shard expert weights on their own mesh first.
+
+    Returns:
+        The same model, now holding ``DTensor`` parameters.
+    """
+    kwargs: dict[str, Any] = {
+        "mesh": dp_mesh,
+        "mp_policy": mixed_precision(param_dtype, reduce_dtype),
+    }
+    for block in _blocks(model).values():
+        if before_block is not None:
+            before_block(block, kwargs)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root (embeddings, final norm, output) is needed again at once by backward.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return model
+
+
+def training_dtypes(job_config: Any, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """``(param_dtype, reduce_dtype)``: the config's mixed precision on GPU, float32 on CPU."""
+    if device.type != "cuda":
+        return torch.float32, torch.float32
+    return (
+        getattr(torch, job_config.training.mixed_precision_param),
+        getattr(torch, job_config.training.mixed_precision_reduce),
+    )
+
+
+def parallelize_dense(model: nn.Module, parallel_dims: Any, job_config: Any) -> nn.Module:
+    """Activation checkpointing, optional compile, and FSDP2 over ``parallel_dims.fsdp_mesh``.
+
+    Args:
+        model: The model, parameters already on the training device.
+        parallel_dims: A built ``titan_kedro.train.parallel_dims.ParallelDims``.
+        job_config: The job config (reads the ``training`` section).
+
+    Returns:
+        The parallelized model.
+    """
+    apply_ac(model, job_config.training.activation_checkpoint)
+    if job_config.training.compile:
+        apply_compile(model)
+    param_dtype, reduce_dtype = training_dtypes(job_config, parallel_dims.device)
+    return apply_fsdp(
+        model, parallel_dims.fsdp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype
+    )

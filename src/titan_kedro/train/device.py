@@ -1,0 +1,87 @@
+"""Device and process-group setup: CUDA + NCCL when GPUs exist, CPU + gloo otherwise."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def resolve_device(kind: str = "auto", local_rank: int = 0) -> torch.device:
+    """The device this rank computes on.
+
+    Args:
+        kind: ``auto`` (CUDA if available, else CPU), ``cpu`` or ``cuda``.
+        local_rank: Index of this process on its node (picks the GPU).
+
+    Raises:
+        RuntimeError: ``cuda`` was asked for but no GPU is visible, or there are fewer GPUs
+            than processes on this node.
+    """
+    if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "training.device=cuda but torch sees no GPU (torch.cuda.is_available() is False); "
+            "use training.device=auto or cpu"
+        )
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise RuntimeError(
+            f"local rank {local_rank} has no GPU: only {count} visible; lower "
+            "launch.nproc_per_node to the number of GPUs per node"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def backend_for(device: torch.device) -> str:
+    """``nccl`` for CUDA, ``gloo`` for CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def env_int(name: str, default: int) -> int:
+    """An integer environment variable set by torchrun (``RANK``, ``WORLD_SIZE``, …)."""
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def init_process_group(device: torch.device, timeout_s: int = 600) -> None:
+    """Join the process group torchrun describes in the environment (idempotent).
+
+    Without torchrun's variables, a one-rank group on a local TCP store is created, so a
+    single plain ``python`` process runs the same code path.
+    """
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(
+        backend=backend_for(device), timeout=timedelta(seconds=timeout_s), **kwargs
+    )
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def set_cpu_threads(num_threads: int, local_world_size: int) -> int:
+    """Give each local process its share of the cores (``num_threads`` 0 = cores / processes).
+
+    Returns:
+        The thread count now in effect.
+    """
+    if num_threads <= 0:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        num_threads = max(1, (cores or 1) // max(1, local_world_size))
+    torch.set_num_threads(num_threads)
+    return num_threads

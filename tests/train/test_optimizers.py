@@ -1,0 +1,115 @@
+"""OptimizersContainer: parameter selection, weight-decay groups, state round trip."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from titan_kedro.train.optimizers import OptimizersContainer, build_optimizers
+from train.conftest import make_config
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(10, 4)
+        self.norm = nn.LayerNorm(4)
+        self.proj = nn.Linear(4, 4)
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.frozen(self.proj(self.norm(self.tok_embeddings(x)))).sum()
+
+
+def _ids(params: list[torch.Tensor]) -> set[int]:
+    return {id(p) for p in params}
+
+
+def test_skips_frozen_and_splits_decay_groups() -> None:
+    torch.manual_seed(0)
+    model = Small()
+    cfg = make_config(optimizer={"lr": 0.01, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.2})
+    opt = build_optimizers([model], cfg)
+    assert isinstance(opt, torch.optim.Optimizer)
+    decay, no_decay = opt.param_groups
+    assert _ids(decay["params"]) == {id(model.proj.weight)}
+    assert _ids(no_decay["params"]) == _ids(
+        [model.tok_embeddings.weight, model.norm.weight, model.norm.bias, model.proj.bias]
+    )
+    assert decay["weight_decay"] == 0.2 and no_decay["weight_decay"] == 0.0
+    inner = opt.optimizers[0]
+    assert isinstance(inner, torch.optim.AdamW)
+    assert inner.defaults["betas"] == (0.8, 0.9) and inner.defaults["eps"] == 1e-6
+    assert all(g["lr"] == 0.01 for g in opt.param_groups)
+
+
+def test_decay_everywhere_when_disabled() -> None:
+    model = Small()
+    cfg = make_config(optimizer={"no_decay_norm_bias_embed": False, "weight_decay": 0.3})
+    (group,) = build_optimizers([model], cfg).param_groups
+    assert len(group["params"]) == 5 and group["weight_decay"] == 0.3
+
+
+def test_step_matches_plain_adamw_and_lr_writes_through() -> None:
+    torch.manual_seed(0)
+    a, b = Small(), Small()
+    b.load_state_dict(a.state_dict())
+    cfg = make_config(
+        optimizer={"no_decay_norm_bias_embed": False, "weight_decay": 0.1, "lr": 0.05}
+    )
+    container = build_optimizers([a], cfg)
+    plain = torch.optim.AdamW(
+        [p for p in b.parameters() if p.requires_grad], lr=0.05, betas=(0.9, 0.95), weight_decay=0.1
+    )
+    x = torch.tensor([[1, 2, 3]])
+    for _ in range(3):
+        for model, opt in ((a, container), (b, plain)):
+            opt.zero_grad()
+            model(x).backward()
+            opt.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb)
+    container.param_groups[0]["lr"] = 0.5
+    assert container.optimizers[0].param_groups[0]["lr"] == 0.5
+
+
+def test_state_dict_round_trip_continues_identically() -> None:
+    torch.manual_seed(0)
+    cfg = make_config()
+    x = torch.tensor([[1, 2, 3, 4]])
+
+    def train(model: Small, opt: OptimizersContainer, steps: int) -> None:
+        for _ in range(steps):
+            opt.zero_grad()
+            model(x).backward()
+            opt.step()
+
+    a = Small()
+    b = Small()
+    b.load_state_dict(a.state_dict())
+    opt_a = build_optimizers([a], cfg)
+    train(a, opt_a, 2)
+    saved_model = {k: v.clone() for k, v in a.state_dict().items()}
+    saved_opt = copy.deepcopy(opt_a.state_dict())
+    assert "state.proj.weight.exp_avg" in saved_opt
+    train(a, opt_a, 2)
+
+    b.load_state_dict(saved_model)
+    opt_b = build_optimizers([b], cfg)
+    opt_b.load_state_dict(saved_opt)
+    train(b, opt_b, 2)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0)
+
+
+def test_nothing_to_train_fails_clearly() -> None:
+    model = Small().requires_grad_(False)
+    try:
+        build_optimizers([model], make_config())
+    except ValueError as err:
+        assert "requires_grad" in str(err)
+    else:
+        raise AssertionError("expected a ValueError")

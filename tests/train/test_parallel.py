@@ -1,0 +1,129 @@
+"""Device mesh layouts, FSDP2 sharding, activation checkpointing and global-norm clipping."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+
+from titan_kedro.models.parallel import apply_ac, apply_fsdp, parallelize_dense
+from titan_kedro.train.grad_clip import clip_grad_norm_
+from titan_kedro.train.parallel_dims import ParallelDims
+from train.conftest import make_config
+
+
+def _tiny(spec: Any, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return spec.build_model(spec.flavors["debugmodel"])
+
+
+def test_degrees_are_validated() -> None:
+    dims = ParallelDims(dp_replicate=2, dp_shard=-1, ep=2, world_size=8)
+    assert (dims.dp_shard, dims.dp_degree, dims.dp_shard_mod_ep) == (4, 8, 2)
+    with pytest.raises(ValueError, match="must divide the FSDP shard"):
+        ParallelDims(dp_replicate=1, dp_shard=-1, ep=3, world_size=4)
+    with pytest.raises(ValueError, match="!= world size"):
+        ParallelDims(dp_replicate=2, dp_shard=3, ep=1, world_size=4)
+    with pytest.raises(RuntimeError, match="build_mesh"):
+        _ = dims.dp_mesh
+
+
+def test_ep_degree_comes_from_the_extension_field() -> None:
+    cfg = make_config(launch={"nproc_per_node": 4})
+    assert ParallelDims.from_config(cfg, 4, torch.device("cpu")).ep == 1
+    object.__setattr__(cfg.parallelism, "expert_parallel_degree", 2)
+    assert ParallelDims.from_config(cfg, 4, torch.device("cpu")).ep == 2
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_activation_checkpointing_keeps_names_and_gradients(tiny_spec: Any, mode: str) -> None:
+    plain = _tiny(tiny_spec)
+    wrapped = apply_ac(copy.deepcopy(plain), mode)
+    assert wrapped.state_dict().keys() == plain.state_dict().keys()
+    n_wrapped = sum("CheckpointWrapper" in type(b).__name__ for b in wrapped.layers.values())
+    assert n_wrapped == (2 if mode == "full" else 1)
+    tokens = torch.randint(0, 512, (2, 16))
+    for model in (plain, wrapped):
+        model(tokens).logsumexp(-1).mean().backward()
+    for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+def _worker(rank: int, world: int, store_path: str, spec_path: str, errors: Any) -> None:
+    try:
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world
+        )
+        from titan_kedro.models.registry import get_train_spec, import_custom_model
+
+        import_custom_model(path=spec_path)
+        spec = get_train_spec("tiny_dense")
+
+        with_ep = ParallelDims(1, -1, 2, world)
+        with_ep.build_mesh()
+        assert with_ep.ep_mesh.size() == 2 and with_ep.expert_fsdp_mesh.size() == 1
+        assert dist.get_world_size(with_ep.ep_group) == 2 and with_ep.ep_rank == rank
+        dims = ParallelDims(1, -1, 1, world)
+        dims.build_mesh()
+        assert dims.fsdp_mesh.size() == 2 and dims.ep_mesh.size() == 1
+        assert dims.dp_rank == rank and dims.dp_degree == 2
+
+        reference = _tiny(spec)
+        model = parallelize_dense(
+            copy.deepcopy(reference), dims, make_config(training={"activation_checkpoint": "full"})
+        )
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        torch.manual_seed(1)
+        tokens = torch.randint(0, 512, (2, 16))  # same batch on both ranks
+        for m in (reference, model):
+            (m(tokens).logsumexp(-1).mean() * 50).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        norm = clip_grad_norm_(list(model.parameters()), 0.05)
+        assert not isinstance(norm, DTensor)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+        assert ref_norm > 0.05  # clipping really happened
+        for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad.full_tensor(), a.grad, msg=name, rtol=1e-5, atol=1e-7)
+        # A rank-local non-finite gradient makes the global norm non-finite everywhere.
+        first = next(model.parameters())
+        if rank == 1:
+            first.grad.to_local().fill_(float("nan"))
+        assert not torch.isfinite(clip_grad_norm_(list(model.parameters()), 1.0))
+        dist.destroy_process_group()
+    except BaseException as err:  # report to the parent, which fails the test
+        import traceback
+
+        errors.put(f"rank {rank}: {err!r}\n{traceback.format_exc()}")
+        raise
+
+
+@pytest.mark.slow
+def test_fsdp_mesh_and_global_norm_clipping(tmp_path: Path, tiny_spec: Any) -> None:
+    del tiny_spec
+    from train.helpers import TINY_MODEL
+
+    errors = mp.get_context("spawn").SimpleQueue()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    procs = mp.spawn(
+        _worker, args=(2, str(tmp_path / "store"), str(TINY_MODEL), errors), nprocs=2, join=False
+    )
+    try:
+        while not procs.join(timeout=120):
+            pass
+    finally:
+        messages = []
+        while not errors.empty():
+            messages.append(errors.get())
+        assert not messages, "\n".join(messages)
+
+
+def test_apply_fsdp_needs_layers() -> None:
+    with pytest.raises(TypeError, match=r"'layers' nn\.ModuleDict"):
+        apply_fsdp(torch.nn.Linear(2, 2), None)  # type: ignore[arg-type]
