@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -73,6 +73,32 @@ class ModelSection(Section):
     """A ``.py`` file imported before resolution; it calls ``register_train_spec``. Runs user code."""
     custom_import: str | None = None
     """A dotted module imported before resolution; it calls ``register_train_spec``. Runs user code."""
+
+    @field_validator("name", "flavor")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+    @field_validator("custom_model_path")
+    @classmethod
+    def _python_file(cls, value: str | None) -> str | None:
+        if value is not None and not value.endswith(".py"):
+            raise ValueError(
+                "must be the path of a .py file; use model.custom_import for a dotted module name"
+            )
+        return value
+
+    @field_validator("custom_import")
+    @classmethod
+    def _dotted_name(cls, value: str | None) -> str | None:
+        if value is not None and not all(part.isidentifier() for part in value.split(".")):
+            raise ValueError(
+                "must be a dotted module name such as 'my_models.tiny_gpt'; "
+                "use model.custom_model_path for a .py file"
+            )
+        return value
 
 
 class TrainingSection(Section):

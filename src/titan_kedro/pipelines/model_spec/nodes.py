@@ -1,0 +1,45 @@
+"""Nodes of the ``model_spec`` pipeline (thin wrappers over ``titan_kedro.models``)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from titan_kedro.config import resolve_job_config
+from titan_kedro.models.counting import model_card
+
+logger = logging.getLogger(__name__)
+
+
+def build_model_spec(parameters: dict[str, Any]) -> dict[str, Any]:
+    """Resolve the model named by the parameters and describe it.
+
+    Args:
+        parameters: Every Kedro parameter (the whole job config as nested sections).
+
+    Returns:
+        The model card (see ``titan_kedro.models.counting.model_card``).
+
+    Raises:
+        ConfigError: Unknown spec, unknown flavor, invalid override or custom-model
+            import failure, with what to fix.
+    """
+    resolved = resolve_job_config(parameters, source="parameters")
+    card = model_card(resolved.spec, resolved.model_args, resolved.config)
+    params = card["parameters"]
+    logger.info(
+        "model %s/%s: %s parameters (%s active per token), %.3g GFLOPs/token at seq_len %d, "
+        "~%.2f GiB per device",
+        card["spec"],
+        card["flavor"],
+        _millions(params["total"]),
+        _millions(params["active"]),
+        (card["flops_per_token"] or 0) / 1e9,
+        card["seq_len"],
+        card["memory"]["estimate_gib"]["total_gib"],
+    )
+    return card
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:,.1f}M"

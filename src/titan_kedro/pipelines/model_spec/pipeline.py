@@ -1,0 +1,24 @@
+"""``model_spec``: parameters → ``model_spec`` (the model card, ``data/06_models/model_spec.json``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kedro.pipeline import Node, Pipeline
+
+from titan_kedro.pipelines.model_spec.nodes import build_model_spec
+
+
+def create_pipeline(**kwargs: Any) -> Pipeline:
+    """One node: resolve the model config and write its card (counts, FLOPs, memory)."""
+    return Pipeline(
+        [
+            Node(
+                build_model_spec,
+                inputs="parameters",
+                outputs="model_spec",
+                name="build_model_spec",
+                tags=["model_spec"],
+            )
+        ]
+    )
