@@ -4,9 +4,10 @@ from kedro.config import OmegaConfigLoader
 from omegaconf.resolvers import oc
 
 from titan_kedro.hooks import ValidateJobConfigHook
+from titan_kedro.mlflow_hooks import MlflowRunTagsHook
 
 # kedro-mlflow registers its own hooks through its entry point.
-HOOKS = (ValidateJobConfigHook(),)
+HOOKS = (ValidateJobConfigHook(), MlflowRunTagsHook())
 
 CONFIG_LOADER_CLASS = OmegaConfigLoader
 CONFIG_LOADER_ARGS = {

@@ -1,0 +1,59 @@
+"""Reporting nodes: thin wrappers over ``titan_kedro.tracking.plots``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from titan_kedro.tracking import plots
+
+
+def parse_training_metrics(metrics_jsonl: str) -> list[dict[str, Any]]:
+    """The workers' ``metrics.jsonl`` as records merged by step."""
+    return plots.parse_metrics_jsonl(metrics_jsonl)
+
+
+def plot_loss_curves(
+    training_metrics: list[dict[str, Any]],
+    training_summary: dict[str, Any],
+    evaluation_results: dict[str, Any],
+) -> Figure:
+    """Training and validation loss against tokens, with the final evaluation's loss."""
+    return plots.plot_loss(
+        training_metrics,
+        final_val_loss=evaluation_results.get("val_loss"),
+        final_tokens=training_summary.get("tokens_seen"),
+    )
+
+
+def plot_learning_rate(training_metrics: list[dict[str, Any]]) -> Figure:
+    """The learning-rate schedule as trained."""
+    return plots.plot_learning_rate(training_metrics)
+
+
+def plot_throughput(training_metrics: list[dict[str, Any]]) -> Figure:
+    """Tokens per second and MFU per step."""
+    return plots.plot_throughput(training_metrics)
+
+
+def plot_expert_load(training_metrics: list[dict[str, Any]], model: dict[str, Any]) -> Figure:
+    """Per-layer MoE expert-load heatmaps (or a 'dense model' figure)."""
+    return plots.plot_expert_load(
+        training_metrics, model_label=f"{model.get('name')}/{model.get('flavor')}"
+    )
+
+
+def summarize_report(
+    training_metrics: list[dict[str, Any]],
+    training_summary: dict[str, Any],
+    evaluation_results: dict[str, Any],
+) -> dict[str, Any]:
+    """Headline numbers of the run, for the model card and for comparing runs."""
+    return {
+        **plots.summarize_metrics(training_metrics),
+        "wall_time_s": training_summary.get("wall_time_s"),
+        "val_loss": evaluation_results.get("val_loss"),
+        "val_perplexity": evaluation_results.get("val_perplexity"),
+        "figures": ["loss.png", "learning_rate.png", "throughput.png", "expert_load.png"],
+    }
