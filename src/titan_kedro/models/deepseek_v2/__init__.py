@@ -1,0 +1,165 @@
+"""DeepSeek-V2 family (MLA + DeepSeekMoE), registered as the ``deepseek_v2`` train spec.
+
+Flavors: ``debugmodel`` (61M parameters, a training step on a laptop CPU), ``v2-lite``
+(DeepSeek-V2-Lite: 15.7B total, 2.4B active) and ``v2`` (236B total, 21B active), with
+the values of the published Hugging Face ``config.json`` files.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from titan_kedro.models.common import YarnRopeScaling
+from titan_kedro.models.deepseek_v2.args import DeepSeekV2ModelArgs
+from titan_kedro.models.deepseek_v2.flops import flops_per_token, param_counts
+from titan_kedro.models.deepseek_v2.hf_adapter import DeepSeekV2StateDictAdapter
+from titan_kedro.models.deepseek_v2.model import DeepSeekV2Model
+from titan_kedro.models.registry import TrainSpec, register_train_spec
+
+# DeepSeek-V2 and V2-Lite extend a 4K pretraining context 40× with YaRN.
+_YARN_40X = YarnRopeScaling(
+    factor=40.0,
+    original_max_position_embeddings=4096,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale=0.707,
+    mscale_all_dim=0.707,
+)
+
+FLAVORS: dict[str, DeepSeekV2ModelArgs] = {
+    "debugmodel": DeepSeekV2ModelArgs(
+        vocab_size=102400,
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        max_seq_len=2048,
+        q_lora_rank=None,
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        intermediate_size=1024,
+        moe_intermediate_size=256,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        n_shared_experts=2,
+        num_experts_per_tok=2,
+        aux_loss_alpha=0.001,
+        load_balance_bias_update_speed=0.001,
+    ),
+    "v2-lite": DeepSeekV2ModelArgs(
+        vocab_size=102400,
+        dim=2048,
+        n_layers=27,
+        n_heads=16,
+        max_seq_len=163840,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        rope_scaling=_YARN_40X,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        first_k_dense_replace=1,
+        n_routed_experts=64,
+        n_shared_experts=2,
+        num_experts_per_tok=6,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        aux_loss_alpha=0.001,
+    ),
+    "v2": DeepSeekV2ModelArgs(
+        vocab_size=102400,
+        dim=5120,
+        n_layers=60,
+        n_heads=128,
+        max_seq_len=163840,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        rope_scaling=_YARN_40X,
+        intermediate_size=12288,
+        moe_intermediate_size=1536,
+        first_k_dense_replace=1,
+        n_routed_experts=160,
+        n_shared_experts=2,
+        num_experts_per_tok=6,
+        topk_method="group_limited_greedy",
+        n_group=8,
+        topk_group=3,
+        routed_scaling_factor=16.0,
+        aux_loss_alpha=0.001,
+    ),
+}
+
+
+class DeepSeekParallelismExtension(BaseModel):
+    """Fields DeepSeek-V2 adds to the ``parallelism`` section."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    expert_parallel_degree: int = Field(1, ge=1)
+    """Routed experts are sharded over this many ranks and tokens are exchanged with
+    all-to-all; must divide the data-parallel shard degree and the number of routed
+    experts (1: every rank holds every expert)."""
+
+
+def validate_config(job_config: Any, args: DeepSeekV2ModelArgs) -> None:
+    """Reject expert-parallel layouts that cannot split the experts or the ranks.
+
+    Raises:
+        ValueError: Naming ``parallelism.expert_parallel_degree`` and what it must divide.
+    """
+    ep = int(getattr(job_config.parallelism, "expert_parallel_degree", 1))
+    if ep == 1:
+        return
+    world = job_config.launch.world_size
+    if args.n_routed_experts % ep:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree={ep} must divide the model's "
+            f"n_routed_experts={args.n_routed_experts}; pick a divisor of it"
+        )
+    if world % ep:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree={ep} must divide the world size {world} "
+            "(launch.nproc_per_node × launch.nnodes)"
+        )
+    shard = job_config.parallelism.data_parallel_shard_degree
+    if shard == -1:
+        shard = world // job_config.parallelism.data_parallel_replicate_degree
+    if shard % ep:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree={ep} must divide the data-parallel shard "
+            f"degree {shard} (expert parallelism borrows its ranks from FSDP sharding)"
+        )
+
+
+register_train_spec(
+    TrainSpec(
+        name="deepseek_v2",
+        model_cls=DeepSeekV2Model,
+        flavors=FLAVORS,
+        state_dict_adapter=DeepSeekV2StateDictAdapter(),
+        flops_per_token=flops_per_token,
+        extensions={"parallelism": DeepSeekParallelismExtension},
+        validate_config_fn=validate_config,
+    )
+)
+
+__all__ = [
+    "FLAVORS",
+    "DeepSeekParallelismExtension",
+    "DeepSeekV2Model",
+    "DeepSeekV2ModelArgs",
+    "DeepSeekV2StateDictAdapter",
+    "flops_per_token",
+    "param_counts",
+    "validate_config",
+]
