@@ -95,7 +95,7 @@ LLAMA3_FLAVORS: dict[str, Llama3Args] = {
         n_kv_heads=8,
         ffn_hidden_dim=768,
         rope_theta=500000.0,
-        rope_scaling=Llama3RopeScaling(),
+        rope_scaling=Llama3RopeScaling(original_max_position_embeddings=1024),
         max_seq_len=2048,
     ),
     "8B": Llama3Args(
@@ -107,8 +107,10 @@ LLAMA3_FLAVORS: dict[str, Llama3Args] = {
         ffn_hidden_dim=14336,
         rope_theta=500000.0,
         rope_scaling=Llama3RopeScaling(),
-        max_seq_len=8192,
+        max_seq_len=131072,
     ),
 }
-"""``debugmodel``: a few million parameters besides the 102400-token embeddings, for CPU
-tests and demos. ``8B``: Llama 3.1 8B (8.03B parameters, untied embeddings)."""
+"""``debugmodel``: 4.7M block parameters besides the 102400-token embeddings, for CPU
+tests and demos (its RoPE is scaled as if pretrained at 1024 tokens and extended to 2048).
+``8B``: Llama 3.1 8B (8.03B parameters, untied embeddings, 8192-token pretraining context
+extended to 131072 by the RoPE scaling)."""

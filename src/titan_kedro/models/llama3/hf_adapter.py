@@ -80,13 +80,16 @@ class Llama3StateDictAdapter:
                 high_freq_factor=float(rope["high_freq_factor"]),
                 original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
             )
+        head_dim = getattr(config, "head_dim", None)
+        if head_dim == config.hidden_size // config.num_attention_heads:
+            head_dim = None  # the default, as our flavors spell it
         return Llama3Args(
             vocab_size=config.vocab_size,
             dim=config.hidden_size,
             n_layers=config.num_hidden_layers,
             n_heads=config.num_attention_heads,
             n_kv_heads=config.num_key_value_heads,
-            head_dim=getattr(config, "head_dim", None),
+            head_dim=head_dim,
             ffn_hidden_dim=config.intermediate_size,
             norm_eps=config.rms_norm_eps,
             rope_theta=float(rope["rope_theta"]),

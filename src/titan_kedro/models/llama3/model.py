@@ -7,6 +7,8 @@ Hugging Face checkpoints load without permuting the q/k projection rows.
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +106,17 @@ class Llama3Model(nn.Module):
         return precompute_freqs_cis(
             self.args.head_size, self.args.max_seq_len, self.args.rope_theta, self.args.rope_scaling
         )
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        # ``model.to(torch.bfloat16)`` casts complex buffers to the real dtype, which drops
+        # the rotations' imaginary part; rebuild the table so it stays complex64.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Casting complex values to real")
+            result = super()._apply(fn, recurse)
+        if not self.freqs_cis.is_complex():
+            with torch.device(self.freqs_cis.device):
+                self.freqs_cis = self._precompute_freqs_cis()
+        return result
 
     def init_weights(self) -> None:
         """Re-initialise every parameter and the rotary buffer (after ``to_empty`` from meta)."""
