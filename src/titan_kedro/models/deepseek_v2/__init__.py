@@ -16,6 +16,7 @@ from titan_kedro.models.deepseek_v2.args import DeepSeekV2ModelArgs
 from titan_kedro.models.deepseek_v2.flops import flops_per_token, param_counts
 from titan_kedro.models.deepseek_v2.hf_adapter import DeepSeekV2StateDictAdapter
 from titan_kedro.models.deepseek_v2.model import DeepSeekV2Model
+from titan_kedro.models.deepseek_v2.parallelize import parallelize_deepseek_v2
 from titan_kedro.models.registry import TrainSpec, register_train_spec
 
 # DeepSeek-V2 and V2-Lite extend a 4K pretraining context 40× with YaRN.
@@ -146,6 +147,7 @@ register_train_spec(
         name="deepseek_v2",
         model_cls=DeepSeekV2Model,
         flavors=FLAVORS,
+        parallelize_fn=parallelize_deepseek_v2,
         state_dict_adapter=DeepSeekV2StateDictAdapter(),
         flops_per_token=flops_per_token,
         extensions={"parallelism": DeepSeekParallelismExtension},
