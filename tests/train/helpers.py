@@ -9,10 +9,31 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 TINY_MODEL = Path(__file__).with_name("tiny_model.py")
 REPO = Path(__file__).resolve().parents[2]
+
+
+def write_token_dir(
+    folder: Path, *, vocab_size: int = 512, n_train: int = 40_000, seed: int = 0
+) -> Path:
+    """Write learnable ``train.bin`` / ``validation.bin`` token files (mostly ``t → 7t+3``)."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, count in (("train", n_train), ("validation", n_train // 10)):
+        tokens = np.empty(count, dtype="<u4")
+        tokens[0] = 1
+        noise = rng.random(count) < 0.2
+        random_tokens = rng.integers(0, vocab_size, count)
+        for i in range(1, count):
+            tokens[i] = random_tokens[i] if noise[i] else (7 * int(tokens[i - 1]) + 3) % vocab_size
+        tokens.tofile(folder / f"{split}.bin")
+    (folder / "metadata.json").write_text(
+        json.dumps({"vocab_size": vocab_size, "synthetic": True}), encoding="utf-8"
+    )
+    return folder
 
 
 def tiny_job(tmp_path: Path, token_dir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
@@ -61,6 +82,7 @@ def run_worker(
     Returns:
         The finished process (stdout and stderr captured as text).
     """
+    raw = {**raw, "launch": {**raw.get("launch", {}), "nproc_per_node": nproc}}
     dump = Path(raw["job"]["dump_folder"])
     dump.mkdir(parents=True, exist_ok=True)
     config = dump / "input_config.yaml"

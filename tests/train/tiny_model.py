@@ -1,9 +1,9 @@
 """A tiny dense decoder that follows the model contract, registered as train spec ``tiny_dense``.
 
 Training tests point ``model.custom_model_path`` at this file, so the worker imports it
-the same way it would import a user's model; it also serves as a plain module for unit
-tests. Optional ``moe_hooks`` add fake MoE hooks (``moe_aux_loss``, ``expert_load``,
-``update_expert_bias``) to test the trainer's MoE wiring without a real MoE model.
+the same way it would import a user's model. ``tiny_moe`` adds a router and the MoE hooks
+(``moe_aux_loss``, ``expert_load``, ``update_expert_bias``) to test the trainer's MoE
+wiring without a real MoE model.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch import nn
 from titan_kedro.models.registry import TrainSpec, register_train_spec, unregister_train_spec
 
 SPEC_NAME = "tiny_dense"
+MOE_SPEC_NAME = "tiny_moe"
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,10 @@ class TinyDecoder(nn.Module):
             x = block(x)
         return self.output(self.norm(x)).float()
 
+
+class TinyMoEDecoder(TinyDecoder):
+    """``TinyDecoder`` with the MoE hooks the trainer looks for."""
+
     def moe_aux_loss(self) -> torch.Tensor:
         assert self._aux is not None
         return self._aux
@@ -116,7 +121,16 @@ def register() -> None:
         TrainSpec(
             name=SPEC_NAME,
             model_cls=TinyDecoder,
-            flavors={"debugmodel": TinyArgs(), "moe": TinyArgs(moe_hooks=True)},
+            flavors={"debugmodel": TinyArgs()},
+            flops_per_token=tiny_flops_per_token,
+        )
+    )
+    unregister_train_spec(MOE_SPEC_NAME)
+    register_train_spec(
+        TrainSpec(
+            name=MOE_SPEC_NAME,
+            model_cls=TinyMoEDecoder,
+            flavors={"debugmodel": TinyArgs(moe_hooks=True)},
             flops_per_token=tiny_flops_per_token,
         )
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,27 +52,17 @@ def env_int(name: str, default: int) -> int:
 def init_process_group(device: torch.device, timeout_s: int = 600) -> None:
     """Join the process group torchrun describes in the environment (idempotent).
 
-    Without torchrun's variables, a one-rank group on a local TCP store is created, so a
-    single plain ``python`` process runs the same code path.
+    Without torchrun's variables, a one-rank group on an in-memory store is created, so a
+    single plain ``python`` process (a test, a notebook) runs the same code path.
     """
     if dist.is_initialized():
         return
+    kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
     if "RANK" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+        kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
     dist.init_process_group(
         backend=backend_for(device), timeout=timedelta(seconds=timeout_s), **kwargs
     )
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def set_cpu_threads(num_threads: int, local_world_size: int) -> int:

@@ -1,0 +1,78 @@
+"""Training worker: ``python -m titan_kedro.train --config job.yaml [--section.key value …]``.
+
+Kedro's ``training`` node writes the resolved job config and starts this module through
+torchrun; the same command works by hand on a cluster (no Kedro session is opened).
+
+Single node, 2 processes (CPU: gloo; GPUs: one process per GPU, NCCL)::
+
+    python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 2 \\
+        --max-restarts 0 --log-dir data/07_model_output/logs --tee 3 --local-ranks-filter 0 \\
+        -m titan_kedro.train --config data/07_model_output/job/job_config.yaml \\
+        --launch.nproc_per_node 2
+
+Two nodes with 8 GPUs each (run on every node; same ``--rdzv-id`` and endpoint)::
+
+    python -m torch.distributed.run --nnodes 2 --nproc-per-node 8 \\
+        --rdzv-backend c10d --rdzv-endpoint node0.example:29500 --rdzv-id titan-kedro \\
+        --max-restarts 3 --log-dir logs --tee 3 --local-ranks-filter 0 \\
+        -m titan_kedro.train --config job_config.yaml \\
+        --launch.nproc_per_node 8 --launch.nnodes 2
+
+``launch.nproc_per_node × launch.nnodes`` must equal the number of workers, since it sets
+the batch layout. Metrics go to the MLflow run named by ``MLFLOW_RUN_ID`` (with
+``MLFLOW_TRACKING_URI``) when set; a run is never started here. With
+``checkpoint.resume: auto`` a restarted worker group continues from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from titan_kedro.config import load_raw_config, resolve_job_config
+from titan_kedro.train.device import env_int
+
+
+def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """Split ``--config FILE`` from the dotted overrides."""
+    parser = argparse.ArgumentParser(
+        prog="python -m titan_kedro.train",
+        description="Titan Kedro training worker (start it with torchrun).",
+        epilog="Any other --section.key value pair overrides the config file.",
+    )
+    parser.add_argument("--config", help="job config file (.yaml, .toml or .json)")
+    known, overrides = parser.parse_known_args(list(argv))
+    return known.config, overrides
+
+
+@record
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one worker; returns the process exit code."""
+    rank = env_int("RANK", 0)
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    config_file, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    raw = load_raw_config(config_file, overrides)
+    resolved = resolve_job_config(raw, source=config_file or "command line")
+
+    from titan_kedro.train.trainer import Trainer
+
+    trainer = Trainer(resolved)
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    if rank == 0:
+        logging.getLogger(__name__).info("training finished: %s", summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

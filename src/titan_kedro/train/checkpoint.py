@@ -1,0 +1,283 @@
+"""Distributed checkpoints that a crash can never leave half-written.
+
+Layout: ``{folder}/step-{n}/`` holds the ``torch.distributed.checkpoint`` (DCP) files and
+``metadata.json``. A save goes to ``step-{n}.tmp``; after every rank has written its
+shards, rank 0 writes ``metadata.json`` last and renames the folder. Only folders named
+``step-{n}`` with a ``metadata.json`` count as checkpoints, so ``latest_checkpoint``
+never returns one that cannot load.
+
+Saved: the model and optimizer state (sharded, FQN-keyed, so a checkpoint loads under a
+different FSDP layout), the LR schedule, the training counters, and per-rank state (the
+data loader position and RNG states) gathered into one JSON list indexed by rank.
+Every value, tensors included, is read back with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import re
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+logger = logging.getLogger(__name__)
+
+METADATA = "metadata.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP load planner that unpickles non-tensor values with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def step_dir(folder: str | Path, step: int) -> Path:
+    """The final folder of the checkpoint taken after optimizer step ``step``."""
+    return Path(folder) / f"step-{step}"
+
+
+def list_checkpoints(folder: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``folder`` as ``(step, path)``, oldest first."""
+    root = Path(folder)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and (child / METADATA).is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(folder: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``folder`` (None if there is none)."""
+    found = list_checkpoints(folder)
+    return found[-1][1] if found else None
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The ``metadata.json`` of a checkpoint folder."""
+    file = Path(path) / METADATA
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"'{path}' is not a complete checkpoint (no {METADATA}); pick a step-<n> folder "
+            "written by the trainer, e.g. latest_checkpoint(checkpoint.folder)"
+        )
+    return json.loads(file.read_text(encoding="utf-8"))
+
+
+def load_model_weights(path: str | Path, model: nn.Module) -> nn.Module:
+    """Load a checkpoint's model weights into a plain, unsharded model (no process group).
+
+    Args:
+        path: A ``step-<n>`` checkpoint folder.
+        model: A model with the same parameter names (e.g. ``spec.build_model(args)``),
+            on CPU or any device; its tensors are overwritten in place.
+
+    Returns:
+        ``model``, for chaining.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a complete checkpoint.
+        RuntimeError: The checkpoint lacks some of the model's weights.
+    """
+    read_metadata(path)
+    state = {"model": model.state_dict()}
+    try:
+        dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner(), no_dist=True)
+    except Exception as err:
+        raise RuntimeError(
+            f"cannot load model weights from '{path}' into {type(model).__name__}: {err}"
+        ) from err
+    model.load_state_dict(state["model"])
+    return model
+
+
+class ModelState(Stateful):
+    """The model parts as one ``Stateful`` (FQN keys, sharded tensors under FSDP)."""
+
+    def __init__(self, model_parts: list[nn.Module]):
+        self.model_parts = model_parts
+
+    def state_dict(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for part in self.model_parts:
+            merged.update(get_model_state_dict(part))
+        return merged
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for part in self.model_parts:
+            set_model_state_dict(part, state_dict, options=StateDictOptions(strict=False))
+
+
+def encode_state(value: Any) -> Any:
+    """Make a nested state JSON-safe: tensors become ``{"__tensor__": base64, dtype, shape}``."""
+    if isinstance(value, torch.Tensor):
+        data = value.detach().cpu().contiguous()
+        raw = data.view(torch.uint8).numpy().tobytes() if data.numel() else b""
+        return {
+            "__tensor__": base64.b64encode(raw).decode("ascii"),
+            "dtype": str(data.dtype).removeprefix("torch."),
+            "shape": list(data.shape),
+        }
+    if isinstance(value, Mapping):
+        return {str(k): encode_state(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [encode_state(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+        return value.item()
+    return value
+
+
+def decode_state(value: Any) -> Any:
+    """Invert ``encode_state``."""
+    if isinstance(value, dict) and "__tensor__" in value:
+        dtype = getattr(torch, value["dtype"])
+        raw = bytearray(base64.b64decode(value["__tensor__"]))
+        flat = (
+            torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        )
+        return flat.view(dtype).reshape(value["shape"]).clone()
+    if isinstance(value, dict):
+        return {k: decode_state(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode_state(v) for v in value]
+    return value
+
+
+def rng_state() -> dict[str, Any]:
+    """This rank's torch RNG states (CPU, and CUDA when present)."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what ``rng_state`` returned."""
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class CheckpointManager:
+    """Saves, prunes and resumes checkpoints for one training run (every rank builds one).
+
+    Args:
+        folder: ``checkpoint.folder``.
+        states: Name → ``Stateful`` saved by every rank alike (model, optimizer, …).
+        per_rank_state: Returns this rank's own state (data position, RNG); gathered
+            into a list on save, and this rank's entry is handed to ``restore_per_rank``.
+        restore_per_rank: Applies this rank's entry on load.
+        keep_latest_k: How many complete checkpoints to keep.
+        enable: False makes ``save`` a no-op (``resume`` still works).
+    """
+
+    def __init__(
+        self,
+        folder: str | Path,
+        states: dict[str, Any],
+        *,
+        per_rank_state: Any,
+        restore_per_rank: Any,
+        keep_latest_k: int = 2,
+        enable: bool = True,
+    ):
+        self.folder = Path(folder)
+        self.states = states
+        self.per_rank_state = per_rank_state
+        self.restore_per_rank = restore_per_rank
+        self.keep_latest_k = keep_latest_k
+        self.enable = enable
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.last_saved: Path | None = None
+
+    def save(self, step: int, extra_metadata: Mapping[str, Any] | None = None) -> Path | None:
+        """Write ``step-{step}`` atomically (collective: every rank calls it)."""
+        if not self.enable:
+            return None
+        final = step_dir(self.folder, step)
+        tmp = final.with_name(final.name + ".tmp")
+        start = time.perf_counter()
+        if self.rank == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, encode_state(self.per_rank_state()))
+        dist.barrier()
+        dcp.save({**self.states, "per_rank": json.dumps(gathered)}, checkpoint_id=str(tmp))
+        dist.barrier()
+        if self.rank == 0:
+            meta = {
+                "step": step,
+                "world_size": self.world_size,
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                **dict(extra_metadata or {}),
+            }
+            (tmp / METADATA).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            self._prune()
+        dist.barrier()
+        self.last_saved = final
+        logger.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - start)
+        return final
+
+    def _prune(self) -> None:
+        for _, path in list_checkpoints(self.folder)[: -self.keep_latest_k]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def resolve_resume(self, resume: str) -> Path | None:
+        """The checkpoint ``checkpoint.resume`` points at (``auto``, ``never`` or a path)."""
+        if resume == "never":
+            return None
+        if resume == "auto":
+            return latest_checkpoint(self.folder)
+        path = Path(resume)
+        read_metadata(path)
+        return path
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """Restore every state from ``path`` (collective) and return its metadata."""
+        meta = read_metadata(path)
+        loaded: dict[str, Any] = {**self.states, "per_rank": ""}
+        dcp.load(loaded, checkpoint_id=str(path), planner=SafeLoadPlanner())
+        if int(meta["world_size"]) == self.world_size:
+            self.restore_per_rank(decode_state(json.loads(loaded["per_rank"])[self.rank]))
+        else:
+            logger.warning(
+                "checkpoint %s was written by %s ranks, now %s: data order and RNG restart "
+                "from the seed (model and optimizer are restored)",
+                path,
+                meta["world_size"],
+                self.world_size,
+            )
+        self.last_saved = path
+        return meta

@@ -1,0 +1,136 @@
+"""The training loop in this process (a one-rank group): resume, NaN stop, MoE hooks, metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from titan_kedro.config import resolve_job_config
+from titan_kedro.train.checkpoint import latest_checkpoint, list_checkpoints, load_model_weights
+from titan_kedro.train.trainer import NonFiniteLossError, Trainer
+from train.helpers import read_metrics, tiny_job, write_token_dir
+
+
+@pytest.fixture(scope="module")
+def token_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_token_dir(tmp_path_factory.mktemp("tokens"))
+
+
+def _trainer(raw: dict[str, Any]) -> Trainer:
+    return Trainer(resolve_job_config(raw, source="test"))
+
+
+def _run(raw: dict[str, Any], stop_at: int | None = None) -> dict[str, Any]:
+    trainer = _trainer(raw)
+    try:
+        return trainer.train(stop_at=stop_at)
+    finally:
+        trainer.close()
+
+
+def _losses(dump: Path) -> dict[int, float]:
+    return {row["step"]: row["loss"] for row in read_metrics(dump)}
+
+
+def test_exact_resume_matches_a_straight_run(tmp_path: Path, token_dir: Path) -> None:
+    job = {"training": {"steps": 6, "global_batch_size": 4}, "checkpoint": {"interval": 100}}
+    straight = tiny_job(tmp_path / "straight", token_dir, **job)
+    split = tiny_job(tmp_path / "split", token_dir, **job)
+    _run(straight)
+    first = _run(split, stop_at=3)
+    assert first["final_step"] == 3 and first["checkpoint_dir"].endswith("step-3")
+    second = _run(split)
+    assert second["final_step"] == 6
+    a, b = _losses(tmp_path / "straight" / "job"), _losses(tmp_path / "split" / "job")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-6, abs=0), step
+    assert a[6] < a[1]  # it learns
+    summary = json.loads((tmp_path / "split" / "job" / "summary.json").read_text())
+    assert summary["final_step"] == 6 and summary["tokens_seen"] == 6 * 4 * 32
+    assert summary["final_loss"] == pytest.approx(a[6], rel=1e-6)
+    assert set(summary) == {
+        "checkpoint_dir",
+        "final_step",
+        "final_loss",
+        "tokens_seen",
+        "wall_time_s",
+    }
+
+
+def test_nan_stops_with_last_good_checkpoint_kept(tmp_path: Path, token_dir: Path) -> None:
+    raw = tiny_job(tmp_path, token_dir, training={"steps": 5}, checkpoint={"interval": 2})
+    trainer = _trainer(raw)
+    try:
+        trainer.train(stop_at=2)
+        with torch.no_grad():
+            next(trainer.model.parameters()).to_local().fill_(float("nan"))
+        with pytest.raises(NonFiniteLossError, match=r"step 3 .*step-2"):
+            trainer.train()
+    finally:
+        trainer.close()
+    assert latest_checkpoint(tmp_path / "ckpt") == tmp_path / "ckpt" / "step-2"
+    assert [s for s, _ in list_checkpoints(tmp_path / "ckpt")] == [2]
+
+
+def test_metrics_validation_moe_hooks_and_weights(tmp_path: Path, token_dir: Path) -> None:
+    raw = tiny_job(
+        tmp_path,
+        token_dir,
+        model={"name": "tiny_moe"},
+        training={"steps": 4, "max_norm": 0.5},
+        validation={"freq": 2, "steps": 2},
+        metrics={"log_freq": 2, "peak_tflops": None},
+        checkpoint={"interval": 2, "keep_latest_k": 1},
+    )
+    trainer = _trainer(raw)
+    try:
+        bias_before = trainer.model.expert_bias.clone()
+        trainer.train()
+        bias_changed = not torch.equal(trainer.model.expert_bias, bias_before)
+        reference = {
+            k: v.full_tensor()
+            for k, v in trainer.model.state_dict().items()
+            if hasattr(v, "full_tensor")
+        }
+    finally:
+        trainer.close()
+    assert bias_changed  # update_expert_bias ran with the reduced load
+    rows = read_metrics(tmp_path / "job")
+    assert [r["step"] for r in rows] == [2, 4]
+    keys = {
+        "loss",
+        "grad_norm",
+        "lr",
+        "step_time_s",
+        "data_time_s",
+        "tps",
+        "tflops",
+        "mfu_pct",
+        "memory_gib",
+        "moe_max_load_ratio",
+        "moe_dead_expert_frac",
+        "val_loss",
+        "val_perplexity",
+        "tokens_seen",
+        "expert_load",
+    }
+    for row in rows:
+        assert keys <= set(row), keys - set(row)
+        assert row["grad_norm"] > 0 and row["tps"] > 0 and row["mfu_pct"] > 0
+        assert row["val_perplexity"] == pytest.approx(__import__("math").exp(row["val_loss"]))
+        load = torch.tensor(row["expert_load"])
+        assert load.shape == (1, 4) and load.sum().item() == pytest.approx(1.0)
+        assert row["moe_max_load_ratio"] >= 1.0
+    # keep_latest_k=1 leaves only the final checkpoint, which loads into a plain model
+    (only,) = list_checkpoints(tmp_path / "ckpt")
+    assert only[0] == 4
+    spec = resolve_job_config(raw).spec
+    plain = spec.build_model(spec.flavors["debugmodel"])
+    load_model_weights(only[1], plain)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(plain.state_dict()[name], tensor, msg=name)
