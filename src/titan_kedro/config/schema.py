@@ -42,7 +42,9 @@ class DataSection(Section):
     hub_max_documents: int = Field(10_000, gt=0)
     """How many documents to take from the hub stream."""
     token_dir: str = "data/05_model_input/tokens"
-    """Where packed ``uint32`` token files and ``metadata.json`` live."""
+    """Where packed ``uint32`` token files and ``metadata.json`` live (must match the catalog's ``token_files``)."""
+    intermediate_dir: str = "data/02_intermediate/c4_tokens"
+    """Per-shard token files and their ``manifest.json``; re-runs only process shards not recorded there."""
     validation_fraction: float = Field(0.05, ge=0.0, lt=1.0)
     """Share of documents held out for validation, chosen by a stable hash of the text."""
     max_bad_fraction: float = Field(0.01, ge=0.0, le=1.0)
@@ -230,7 +232,15 @@ class EvaluationSection(Section):
 
 class ExportSection(Section):
     folder: str = "data/06_models/hf"
-    """Hugging Face export folder."""
+    """Hugging Face export folder (replaced as a whole by each export)."""
+    verify: bool = True
+    """Load the export with transformers and compare its logits with ours on validation tokens."""
+    verify_tokens: int = Field(64, gt=0)
+    """Validation tokens fed to both models for that comparison."""
+    tolerance: float = Field(1e-4, gt=0)
+    """Largest absolute logit difference (float32) that counts as a faithful export."""
+    max_shard_gib: float = Field(5.0, gt=0)
+    """Weights larger than this are split into ``model-0000i-of-0000n.safetensors`` shards."""
 
 
 class JobConfig(BaseModel):

