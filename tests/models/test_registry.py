@@ -204,3 +204,13 @@ def test_resolve_job_config_imports_the_example_and_merges_its_extension() -> No
     assert resolved.config.training.label_smoothing == 0.0  # the extension's default
     raw["training"] = {"label_smoothing": 0.1}
     assert resolve_job_config(raw).config.training.label_smoothing == 0.1
+
+
+def test_failed_import_leaves_no_half_registration_and_can_be_retried(tmp_path: Path) -> None:
+    registers = textwrap.dedent(REGISTERS.format(name="half_done"))
+    path = _write_module(tmp_path, "half", registers + "\nraise RuntimeError('late failure')\n")
+    with pytest.raises(ImportError, match="late failure"):
+        import_custom_model(path=str(path))
+    assert "half_done" not in list_train_specs()
+    _write_module(tmp_path, "half", registers)  # the user fixes the file
+    assert import_custom_model(path=str(path)) == ["half_done"]

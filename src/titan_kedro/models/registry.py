@@ -13,6 +13,7 @@ permissions — only point it at code you trust.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import importlib.util
 import sys
@@ -164,6 +165,13 @@ def get_train_spec(name: str) -> TrainSpec:
     return _REGISTRY[name]
 
 
+def _forget_specs_added_since(before: set[str]) -> None:
+    # A module that registered a spec and then raised is imported afresh next time; its
+    # half-done registrations would otherwise turn into a misleading duplicate-name error.
+    for name in set(_REGISTRY) - before:
+        del _REGISTRY[name]
+
+
 def import_custom_model(path: str | None = None, module: str | None = None) -> list[str]:
     """Import a user's model module so it can register its train spec.
 
@@ -191,7 +199,9 @@ def import_custom_model(path: str | None = None, module: str | None = None) -> l
                 f"model.custom_model_path '{path}' does not exist (resolved to {file}); "
                 "give the path of a .py file that calls register_train_spec"
             )
-        mod_name = f"titan_kedro_custom_{file.stem}_{abs(hash(str(file))) % 10**8}"
+        # Stable across processes (unlike hash()), so every worker names the module alike.
+        digest = hashlib.sha1(str(file).encode()).hexdigest()[:8]
+        mod_name = f"titan_kedro_custom_{file.stem}_{digest}"
         if mod_name in sys.modules:
             return []
         spec = importlib.util.spec_from_file_location(mod_name, file)
@@ -203,6 +213,7 @@ def import_custom_model(path: str | None = None, module: str | None = None) -> l
             spec.loader.exec_module(mod)
         except Exception as err:
             del sys.modules[mod_name]
+            _forget_specs_added_since(before)
             raise ImportError(
                 f"importing model.custom_model_path '{path}' failed:\n{traceback.format_exc()}"
             ) from err
@@ -212,6 +223,7 @@ def import_custom_model(path: str | None = None, module: str | None = None) -> l
         try:
             importlib.import_module(module)  # type: ignore[arg-type]
         except Exception as err:
+            _forget_specs_added_since(before)
             raise ImportError(
                 f"importing model.custom_import '{module}' failed:\n{traceback.format_exc()}"
             ) from err
