@@ -38,7 +38,12 @@ class ExpertParallelExtension(BaseModel):
 
 def job(**sections: dict[str, Any]) -> Any:
     sections.setdefault("training", {})
-    sections["training"] = {"seq_len": 32, "local_batch_size": 2, "device": "cpu", **sections["training"]}
+    sections["training"] = {
+        "seq_len": 32,
+        "local_batch_size": 2,
+        "device": "cpu",
+        **sections["training"],
+    }
     return build_job_config(sections, [{"parallelism": ExpertParallelExtension}], source="test")
 
 
@@ -133,9 +138,7 @@ def test_gpu_mixed_precision_halves_activations_and_adds_a_bf16_copy(
     assert memory["logits_gib"] == pytest.approx(tokens * VOCAB * (8 + 2) / GIB)
 
 
-@pytest.mark.parametrize(
-    ("mode", "checkpointed"), [("none", 0), ("selective", 1), ("full", 2)]
-)
+@pytest.mark.parametrize(("mode", "checkpointed"), [("none", 0), ("selective", 1), ("full", 2)])
 def test_activation_checkpointing_keeps_block_inputs_only(
     llama: tuple[nn.Module, Any], mode: str, checkpointed: int
 ) -> None:
@@ -172,7 +175,12 @@ def test_8b_on_eight_gpus_fits_an_80gb_card() -> None:
     with torch.device("meta"):
         model = SPEC.build_model(args)
     cfg = job(
-        training={"device": "cuda", "seq_len": 8192, "local_batch_size": 1, "activation_checkpoint": "full"},
+        training={
+            "device": "cuda",
+            "seq_len": 8192,
+            "local_batch_size": 1,
+            "activation_checkpoint": "full",
+        },
         launch={"nproc_per_node": 8},
     )
     memory = estimate_training_memory(model, args, cfg)

@@ -117,7 +117,10 @@ def test_args_from_hf_config_reads_rope_and_heads() -> None:
         ({"attention_bias": True}, "attention_bias=True"),
         ({"mlp_bias": True}, "mlp_bias=True"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope_type='linear'"),
+        (
+            {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+            "rope_type='linear'",
+        ),
     ],
 )
 def test_unsupported_hf_configs_fail_clearly(overrides: dict[str, Any], message: str) -> None:

@@ -118,7 +118,9 @@ def test_resolve_args_rejects_unknown_flavor_field_and_value() -> None:
 
 
 def test_build_model_instantiates_the_model_class() -> None:
-    model = LLAMA3_SPEC.build_model(LLAMA3_SPEC.resolve_args("debugmodel", {"vocab_size": 64, "n_layers": 1}))
+    model = LLAMA3_SPEC.build_model(
+        LLAMA3_SPEC.resolve_args("debugmodel", {"vocab_size": 64, "n_layers": 1})
+    )
     assert isinstance(model, Llama3Model)
     assert model.output.out_features == 64
 
@@ -141,7 +143,9 @@ def test_custom_dotted_module_registers_its_spec(
 
 def test_custom_path_that_does_not_exist_fails_clearly(tmp_path: Path) -> None:
     missing = tmp_path / "nope.py"
-    with pytest.raises(FileNotFoundError, match=r"model\.custom_model_path .*nope\.py' does not exist"):
+    with pytest.raises(
+        FileNotFoundError, match=r"model\.custom_model_path .*nope\.py' does not exist"
+    ):
         import_custom_model(path=str(missing))
 
 

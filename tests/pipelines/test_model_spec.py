@@ -73,7 +73,11 @@ def test_llama3_card_through_the_pipeline(test_params: dict[str, Any]) -> None:
     spec = get_train_spec("llama3")
     args = spec.resolve_args("debugmodel", {"n_layers": 2})
     seq_len = test_params["training"]["seq_len"]
-    assert (card["spec"], card["flavor"], card["overrides"]) == ("llama3", "debugmodel", {"n_layers": 2})
+    assert (card["spec"], card["flavor"], card["overrides"]) == (
+        "llama3",
+        "debugmodel",
+        {"n_layers": 2},
+    )
     assert card["args"]["n_layers"] == 2 and card["args"]["vocab_size"] == 102400
     # 2 × 102400 × 256 embeddings/output + 2 blocks of 786,944 + final norm 256.
     assert card["parameters"]["total"] == 2 * 102400 * 256 + 2 * 786_944 + 256
@@ -88,7 +92,9 @@ def test_llama3_card_through_the_pipeline(test_params: dict[str, Any]) -> None:
 def test_catalog_entry_writes_data_06_models_model_spec_json(
     test_params: dict[str, Any], tmp_path: Path
 ) -> None:
-    entry = yaml.safe_load((REPO / "conf" / "base" / "catalog_model_spec.yml").read_text())["model_spec"]
+    entry = yaml.safe_load((REPO / "conf" / "base" / "catalog_model_spec.yml").read_text())[
+        "model_spec"
+    ]
     assert entry["type"] == "json.JSONDataset"
     assert entry["filepath"] == "data/06_models/model_spec.json"
     assert entry["metadata"]["kedro-viz"]["layer"] == "models"
@@ -99,14 +105,18 @@ def test_catalog_entry_writes_data_06_models_model_spec_json(
 
 
 def test_custom_example_end_to_end(test_params: dict[str, Any]) -> None:
-    params = with_model(test_params, name="tiny_gpt", flavor="small", custom_model_path=str(EXAMPLE))
+    params = with_model(
+        test_params, name="tiny_gpt", flavor="small", custom_model_path=str(EXAMPLE)
+    )
     card = run_pipeline(params)
     assert card["spec"] == "tiny_gpt" and card["flavor"] == "small"
     assert card["custom_model"] == str(EXAMPLE)
     assert card["args"]["dim"] == 128 and card["args"]["n_layers"] == 4
     assert card["extensions"] == {"training": {"label_smoothing": 0.0}}
     # Per block: two LayerNorms, qkv and proj (with biases), MLP 128→512→128 (with biases).
-    block = 2 * 2 * 128 + (128 * 384 + 384) + (128 * 128 + 128) + (128 * 512 + 512) + (512 * 128 + 128)
+    block = (
+        2 * 2 * 128 + (128 * 384 + 384) + (128 * 128 + 128) + (128 * 512 + 512) + (512 * 128 + 128)
+    )
     tokens_and_positions = 102400 * 128 + 512 * 128
     expected = tokens_and_positions + 4 * block + 2 * 128 + 128 * 102400
     assert card["parameters"]["total"] == expected == 27_073_280
@@ -133,12 +143,30 @@ def test_custom_example_end_to_end(test_params: dict[str, Any]) -> None:
     ("model", "message"),
     [
         ({"name": "llama4"}, r"unknown model 'llama4'; registered train specs: .*llama3"),
-        ({"name": "llama3", "flavor": "70B"}, r"model 'llama3' has no flavor '70B'; flavors: \['8B', 'debugmodel'\]"),
-        ({"name": "llama3", "overrides": {"n_layer": 2}}, r"'n_layer' \(did you mean 'n_layers'\?\)"),
-        ({"name": "llama3", "overrides": {"n_heads": 7}}, r"model.overrides for 'llama3' are invalid: dim=256 is not divisible by n_heads=7"),
-        ({"name": "tiny_gpt", "custom_model_path": "examples/custom_model/nope.py"}, r"custom_model_path 'examples/custom_model/nope.py' does not exist"),
+        (
+            {"name": "llama3", "flavor": "70B"},
+            r"model 'llama3' has no flavor '70B'; flavors: \['8B', 'debugmodel'\]",
+        ),
+        (
+            {"name": "llama3", "overrides": {"n_layer": 2}},
+            r"'n_layer' \(did you mean 'n_layers'\?\)",
+        ),
+        (
+            {"name": "llama3", "overrides": {"n_heads": 7}},
+            r"model.overrides for 'llama3' are invalid: dim=256 is not divisible by n_heads=7",
+        ),
+        (
+            {"name": "tiny_gpt", "custom_model_path": "examples/custom_model/nope.py"},
+            r"custom_model_path 'examples/custom_model/nope.py' does not exist",
+        ),
     ],
-    ids=["unknown-spec", "unknown-flavor", "unknown-override", "invalid-override", "missing-custom"],
+    ids=[
+        "unknown-spec",
+        "unknown-flavor",
+        "unknown-override",
+        "invalid-override",
+        "missing-custom",
+    ],
 )
 def test_bad_model_config_fails_in_the_node_with_a_clear_message(
     test_params: dict[str, Any], model: dict[str, Any], message: str
@@ -148,7 +176,9 @@ def test_bad_model_config_fails_in_the_node_with_a_clear_message(
 
 
 def test_bad_model_config_stops_the_pipeline_before_writing(test_params: dict[str, Any]) -> None:
-    catalog = DataCatalog({"parameters": MemoryDataset(with_model(test_params, name="llama3", flavor="70B"))})
+    catalog = DataCatalog(
+        {"parameters": MemoryDataset(with_model(test_params, name="llama3", flavor="70B"))}
+    )
     catalog["model_spec"] = MemoryDataset()
     with pytest.raises(ConfigError, match="no flavor '70B'"):
         SequentialRunner().run(create_pipeline(), catalog)
@@ -158,5 +188,7 @@ def test_bad_model_config_stops_the_pipeline_before_writing(test_params: dict[st
 
 def test_seq_len_beyond_the_model_limit_fails(test_params: dict[str, Any]) -> None:
     params = with_model(test_params, name="llama3", overrides={"max_seq_len": 32})
-    with pytest.raises(ConfigError, match=r"training\.seq_len=64 exceeds the model's max_seq_len=32"):
+    with pytest.raises(
+        ConfigError, match=r"training\.seq_len=64 exceeds the model's max_seq_len=32"
+    ):
         build_model_spec(params)

@@ -228,7 +228,9 @@ def estimate_training_memory(
     else:
         checkpointed = n_blocks if layout.activation_checkpoint == "full" else n_blocks // 2
         stored = (
-            checkpointed * model_args.dim + (n_blocks - checkpointed) * block_elements + block_elements
+            checkpointed * model_args.dim
+            + (n_blocks - checkpointed) * block_elements
+            + block_elements
         )
     activations = tokens * stored * compute_bytes
     logit_bytes = 8 + (compute_bytes if compute_bytes != 4 else 0)

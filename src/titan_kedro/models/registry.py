@@ -114,7 +114,12 @@ class TrainSpec:
             import difflib
 
             hints = [
-                f"'{k}'" + (f" (did you mean '{m[0]}'?)" if (m := difflib.get_close_matches(k, known, 1)) else "")
+                f"'{k}'"
+                + (
+                    f" (did you mean '{m[0]}'?)"
+                    if (m := difflib.get_close_matches(k, known, 1))
+                    else ""
+                )
                 for k in unknown
             ]
             raise ValueError(

@@ -48,7 +48,14 @@ class Llama3Args:
                 fields = [f.name for f in dataclasses.fields(Llama3RopeScaling)]
                 raise ValueError(f"rope_scaling: {err}; fields are {fields}") from None
             object.__setattr__(self, "rope_scaling", scaling)
-        positive_ints = ("vocab_size", "dim", "n_layers", "n_heads", "ffn_hidden_dim", "max_seq_len")
+        positive_ints = (
+            "vocab_size",
+            "dim",
+            "n_layers",
+            "n_heads",
+            "ffn_hidden_dim",
+            "max_seq_len",
+        )
         for name in positive_ints:
             _require_positive_int(name, getattr(self, name))
         for name in ("n_kv_heads", "head_dim"):

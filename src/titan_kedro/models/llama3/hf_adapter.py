@@ -148,7 +148,9 @@ class Llama3StateDictAdapter:
             elif not _HF_IGNORED.search(key):
                 unknown.append(key)
         if unknown:
-            raise KeyError(f"Hugging Face Llama keys with no titan_kedro counterpart: {unknown[:8]}")
+            raise KeyError(
+                f"Hugging Face Llama keys with no titan_kedro counterpart: {unknown[:8]}"
+            )
         if "output.weight" not in out and "tok_embeddings.weight" in out:
             out["output.weight"] = out["tok_embeddings.weight"]  # tied checkpoint
         return out
@@ -171,5 +173,7 @@ class Llama3StateDictAdapter:
             else:
                 unknown.append(key)
         if unknown:
-            raise KeyError(f"titan_kedro Llama 3 keys with no Hugging Face counterpart: {unknown[:8]}")
+            raise KeyError(
+                f"titan_kedro Llama 3 keys with no Hugging Face counterpart: {unknown[:8]}"
+            )
         return out
