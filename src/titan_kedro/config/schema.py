@@ -72,7 +72,8 @@ class ModelSection(Section):
     overrides: dict[str, Any] = Field(default_factory=dict)
     """Model-argument overrides applied on top of the flavor (``{n_layers: 2}``)."""
     custom_model_path: str | None = None
-    """A ``.py`` file imported before resolution; it calls ``register_train_spec``. Runs user code."""
+    """A ``.py`` file imported before resolution; it calls ``register_train_spec``. Runs user code.
+    A relative path is taken from the working directory (the project root under ``kedro run``)."""
     custom_import: str | None = None
     """A dotted module imported before resolution; it calls ``register_train_spec``. Runs user code."""
 
