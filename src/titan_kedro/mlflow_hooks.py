@@ -74,18 +74,16 @@ def git_revision(*folders: Path) -> tuple[str, bool] | None:
 def fingerprint_tags(metadata: Mapping[str, Any]) -> dict[str, str]:
     """Tokenizer and data fingerprints from the data stage's ``metadata.json``.
 
-    Accepts top-level ``tokenizer_fingerprint`` / ``data_fingerprint`` keys, or nested
-    ``tokenizer.fingerprint`` / ``data.fingerprint``.
+    The data fingerprint is the top-level ``fingerprint`` (or ``data_fingerprint``); the
+    tokenizer's is ``tokenizer.fingerprint`` (or ``tokenizer_fingerprint``).
     """
-    tags: dict[str, str] = {}
-    for name in ("tokenizer", "data"):
-        value = metadata.get(f"{name}_fingerprint")
-        nested = metadata.get(name)
-        if value is None and isinstance(nested, Mapping):
-            value = nested.get("fingerprint")
-        if value is not None:
-            tags[f"{name}_fingerprint"] = str(value)
-    return tags
+    tokenizer = metadata.get("tokenizer")
+    candidates = {
+        "tokenizer_fingerprint": metadata.get("tokenizer_fingerprint")
+        or (tokenizer.get("fingerprint") if isinstance(tokenizer, Mapping) else None),
+        "data_fingerprint": metadata.get("data_fingerprint") or metadata.get("fingerprint"),
+    }
+    return {key: str(value) for key, value in candidates.items() if value is not None}
 
 
 def loggable_params(params: Mapping[str, Any]) -> dict[str, str]:
@@ -161,6 +159,9 @@ class MlflowRunTagsHook:
             client.log_batch(self._run_id, params=pending[start : start + _PARAM_BATCH])
 
     def _on_dataset(self, dataset_name: str, data: Any) -> None:
+        if dataset_name == "token_files" and isinstance(data, Mapping):
+            # The token folder loaded whole (later stages run alone): same metadata.json.
+            dataset_name, data = "token_metadata", data.get("metadata")
         if self._run_id is None or dataset_name in self._logged:
             return
         artifact = DATASET_ARTIFACTS.get(dataset_name)

@@ -1,0 +1,126 @@
+"""Evaluation nodes: thin wrappers over ``titan_kedro.train.evaluate``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from titan_kedro.config import resolve_job_config
+from titan_kedro.data.loader import TokenLoader
+from titan_kedro.data.tokenizer import build_tokenizer
+from titan_kedro.train import evaluate
+
+logger = logging.getLogger(__name__)
+
+
+def load_final_model(
+    training_summary: dict[str, Any],
+    model: dict[str, Any],
+    training: dict[str, Any],
+    job: dict[str, Any],
+    checkpoint: dict[str, Any],
+) -> evaluate.LoadedCheckpoint:
+    """The checkpoint training finished with, loaded into a single-process model."""
+    resolved = resolve_job_config(
+        {"model": model, "training": training, "job": job, "checkpoint": checkpoint},
+        source="evaluation parameters",
+    )
+    path = evaluate.resolve_checkpoint(training_summary, resolved.config.checkpoint.folder)
+    loaded = evaluate.load_checkpoint_model(resolved, path, evaluate.evaluation_device(resolved))
+    logger.info("loaded %s/%s from %s", resolved.spec.name, resolved.config.model.flavor, path)
+    return loaded
+
+
+def compute_validation_loss(
+    final_model: evaluate.LoadedCheckpoint,
+    token_files: dict[str, Any],
+    evaluation: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Mean loss over ``evaluation.batches`` validation batches (the trainer's batch shape).
+
+    Fewer batches are used when the split is smaller, so no window counts twice.
+
+    Returns:
+        The results (saved as JSON) and the same numbers as MLflow metrics at the
+        checkpoint's step.
+    """
+    cfg = final_model.resolved.config
+    if "validation" not in token_files:
+        raise ValueError(
+            "the token files have no 'validation' split; set data.validation_fraction > 0 "
+            "and re-run data_processing"
+        )
+    loader = TokenLoader(
+        token_files["validation"],
+        seq_len=cfg.training.seq_len,
+        local_batch_size=cfg.training.local_batch_size,
+        dp_rank=0,
+        dp_degree=1,
+        seed=cfg.job.seed,
+        name="validation",
+    )
+    loss_fn = final_model.resolved.spec.build_loss_fn(cfg)
+    val_loss, tokens = evaluate.mean_loss(
+        final_model.model, iter(loader), loss_fn, n_batches=min(evaluation["batches"], loader.batches_per_epoch)
+    )
+    val_perplexity = evaluate.perplexity(val_loss)
+    logger.info("val_loss %.4f (perplexity %.1f) over %d tokens", val_loss, val_perplexity, tokens)
+    results = {
+        "model": f"{cfg.model.name}/{cfg.model.flavor}",
+        "checkpoint": str(final_model.path),
+        "step": final_model.step,
+        "val_loss": val_loss,
+        "val_perplexity": val_perplexity,
+        "tokens_evaluated": tokens,
+    }
+    metrics = {
+        "val_loss": {"value": val_loss, "step": final_model.step},
+        "val_perplexity": {"value": val_perplexity, "step": final_model.step},
+    }
+    return results, metrics
+
+
+def generate_samples(
+    final_model: evaluate.LoadedCheckpoint,
+    token_files: dict[str, Any],
+    tokenizer: dict[str, Any],
+    evaluation: dict[str, Any],
+) -> dict[str, Any]:
+    """Greedy and top-k continuations of prompts cut from validation documents."""
+    tok = build_tokenizer(tokenizer["name_or_path"])
+    expected = (token_files.get("metadata") or {}).get("tokenizer", {}).get("fingerprint")
+    if expected and expected != tok.fingerprint:
+        raise ValueError(
+            f"tokenizer '{tokenizer['name_or_path']}' (fingerprint {tok.fingerprint}) is not the "
+            f"one the token files were made with ({expected}); re-run data_processing or set "
+            "tokenizer.name_or_path back"
+        )
+    cfg = final_model.resolved.config
+    prompts = evaluate.document_prompts(
+        token_files["validation"],
+        bos_id=tok.bos_id,
+        eos_id=tok.eos_id,
+        count=evaluation["num_prompts"],
+        length=evaluation["prompt_tokens"],
+    )
+    samples = evaluate.sample_generations(
+        final_model.model,
+        prompts,
+        decode=tok.decode,
+        max_new_tokens=evaluation["max_new_tokens"],
+        top_k=evaluation["top_k"],
+        temperature=evaluation["temperature"],
+        seed=cfg.job.seed,
+        eos_id=tok.eos_id,
+        vocab_limit=tok.vocab_size,
+        max_context=getattr(final_model.resolved.model_args, "max_seq_len", None),
+    )
+    for sample in samples:
+        logger.info("prompt %r → greedy %r", sample["prompt"], sample["greedy"])
+    return {
+        "model": f"{cfg.model.name}/{cfg.model.flavor}",
+        "checkpoint": str(final_model.path),
+        "step": final_model.step,
+        "settings": {**evaluation, "seed": cfg.job.seed},
+        "samples": samples,
+    }

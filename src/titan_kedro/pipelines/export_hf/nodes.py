@@ -1,0 +1,98 @@
+"""Export node: a thin wrapper over ``titan_kedro.models.hf_export``."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from titan_kedro.data.tokenizer import build_tokenizer
+from titan_kedro.models import hf_export
+from titan_kedro.train.evaluate import LoadedCheckpoint
+
+logger = logging.getLogger(__name__)
+
+
+def _expert_bias_in_use(model: torch.nn.Module) -> bool:
+    return any(
+        name.endswith("expert_bias") and bool(torch.count_nonzero(buf))
+        for name, buf in model.named_buffers()
+    ) or any(
+        name.endswith("expert_bias") and bool(torch.count_nonzero(p))
+        for name, p in model.named_parameters()
+    )
+
+
+def export_final_model(
+    *,
+    final_model: LoadedCheckpoint,
+    token_files: dict[str, Any],
+    tokenizer: dict[str, Any],
+    export: dict[str, Any],
+    training_summary: dict[str, Any],
+    evaluation_results: dict[str, Any],
+    reporting_summary: dict[str, Any],
+) -> dict[str, Any]:
+    """Write the Hugging Face folder, check it against our model, and describe it.
+
+    Consumes ``reporting_summary`` so it runs last; its numbers go into the model card.
+
+    Returns:
+        The export manifest: folder, files, config facts, and the logit comparison.
+    """
+    resolved = final_model.resolved
+    cfg = resolved.config
+    tok = build_tokenizer(tokenizer["name_or_path"])
+    facts = {
+        "model": f"{cfg.model.name}/{cfg.model.flavor}",
+        "parameters": f"{sum(p.numel() for p in final_model.model.parameters()):,}",
+        "embedding rows (vocab_size)": getattr(resolved.model_args, "vocab_size", None),
+        "tokenizer": f"{tok.name} ({tok.vocab_size:,} tokens)",
+        "training steps": final_model.step,
+        "tokens seen": training_summary.get("tokens_seen"),
+        "final training loss": reporting_summary.get("final_loss"),
+        "validation loss": evaluation_results.get("val_loss"),
+        "validation perplexity": evaluation_results.get("val_perplexity"),
+    }
+    folder = Path(export["folder"])
+    files = hf_export.export_hf_folder(
+        final_model.model,
+        resolved.spec,
+        resolved.model_args,
+        folder,
+        tokenizer=tok,
+        model_card=hf_export.model_card(facts, title=f"{cfg.job.name}: {facts['model']}"),
+        max_shard_gib=export["max_shard_gib"],
+    )
+    manifest: dict[str, Any] = {
+        "folder": str(folder),
+        "files": sorted(p.name for p in files),
+        "model": facts["model"],
+        "checkpoint": str(final_model.path),
+        "step": final_model.step,
+        "vocab_size": getattr(resolved.model_args, "vocab_size", None),
+        "tokenizer_vocab_size": tok.vocab_size,
+    }
+    if export["verify"]:
+        tokens = np.asarray(token_files["validation"][: export["verify_tokens"]], dtype=np.int64)
+        diff = hf_export.compare_logits(folder, final_model.model, torch.from_numpy(tokens)[None])
+        faithful = diff <= export["tolerance"]
+        manifest.update(max_abs_logit_diff=diff, tolerance=export["tolerance"], faithful=faithful)
+        if faithful:
+            logger.info("HF export in %s matches our logits (max |diff| %.2e)", folder, diff)
+        else:
+            reason = (
+                "the aux-loss-free expert bias is not zero and transformers' model has no such "
+                "bias, so it routes tokens differently"
+                if _expert_bias_in_use(final_model.model)
+                else "the state-dict adapter or config mapping is wrong"
+            )
+            manifest["mismatch_reason"] = reason
+            logger.warning(
+                "HF export in %s differs from our model: max |logit diff| %.3g > %.1e; %s",
+                folder, diff, export["tolerance"], reason,
+            )
+    return manifest
