@@ -140,6 +140,8 @@ class MetricsLogger:
         dump_folder: Where ``metrics.jsonl`` is appended.
         total_steps: ``training.steps`` (for the progress bar).
         start_step: Steps already done (a resumed run).
+        append: Keep the rows already in ``metrics.jsonl`` (a resumed run); otherwise the
+            file starts empty.
         mlflow: A sink, or None for console and file only.
         progress: Show progress: a live tqdm bar when stderr is a terminal; otherwise
             (under torchrun, whose output is line-based) each console line starts with a
@@ -154,9 +156,12 @@ class MetricsLogger:
         start_step: int = 0,
         mlflow: MlflowMetricsSink | None = None,
         progress: bool = True,
+        append: bool = False,
     ):
         self.path = Path(dump_folder) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not append:
+            self.path.write_text("", encoding="utf-8")
         self.total_steps = total_steps
         self.mlflow = mlflow
         self._bar = None

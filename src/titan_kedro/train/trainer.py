@@ -177,6 +177,7 @@ class Trainer:
                 cfg.training.steps,
                 start_step=self.state.step,
                 mlflow=MlflowMetricsSink.from_env(cfg.metrics.enable_mlflow),
+                append=self.resumed_from is not None,
             )
 
     def _per_rank_state(self) -> dict[str, Any]:

@@ -1,0 +1,71 @@
+"""Training node: thin glue between Kedro and the torchrun workers (``titan_kedro.train``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from titan_kedro.config import dump_job_config, resolve_job_config
+from titan_kedro.train.launch import TrainingFailedError, launch_training
+
+logger = logging.getLogger(__name__)
+
+JOB_CONFIG_FILE = "job_config.yaml"
+
+
+def check_token_vocab(token_metadata: Mapping[str, Any], model_vocab_size: int) -> None:
+    """Fail before launching when the token files hold ids the model cannot embed."""
+    data_vocab = token_metadata.get("vocab_size")
+    if data_vocab is not None and int(data_vocab) > model_vocab_size:
+        raise ValueError(
+            f"the token files were made with a tokenizer of vocab_size {data_vocab} but the "
+            f"model's vocab_size is {model_vocab_size}; set model.overrides.vocab_size to at "
+            f"least {data_vocab} or re-tokenize with a matching tokenizer"
+        )
+
+
+def train_model(
+    parameters: dict[str, Any],
+    token_metadata: dict[str, Any],
+    model_spec: dict[str, Any],
+) -> dict[str, Any]:
+    """Write the resolved job config, run torchrun, and return the workers' summary.
+
+    Args:
+        parameters: All Kedro parameters (the job config sections).
+        token_metadata: ``metadata.json`` of the token files (orders this node after
+            ``data_processing``; its ``vocab_size`` is checked against the model).
+        model_spec: The model card (orders this node after ``model_spec``).
+
+    Returns:
+        ``checkpoint_dir, final_step, final_loss, tokens_seen, wall_time_s``.
+
+    Raises:
+        TrainingFailedError: A worker failed; the message holds its log tail.
+    """
+    del model_spec
+    resolved = resolve_job_config(parameters)
+    cfg = resolved.config
+    check_token_vocab(token_metadata, int(resolved.model_args.vocab_size))
+    dump = Path(cfg.job.dump_folder)
+    config_path = dump_job_config(cfg, dump / JOB_CONFIG_FILE)
+    summary_path = dump / "summary.json"
+    summary_path.unlink(missing_ok=True)
+    logger.info("job config written to %s", config_path)
+    launch_training(cfg, config_path)
+    if not summary_path.is_file():
+        raise TrainingFailedError(
+            f"torchrun finished but the workers wrote no {summary_path}; see {cfg.launch.log_dir}"
+        )
+    summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    logger.info(
+        "training done: step %s, loss %s, %s tokens, %.1fs",
+        summary["final_step"],
+        summary["final_loss"],
+        summary["tokens_seen"],
+        summary["wall_time_s"],
+    )
+    return summary

@@ -1,0 +1,88 @@
+"""The training pipeline: wiring, the node end to end through torchrun, and failures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+from train.helpers import tiny_job, write_token_dir
+
+from titan_kedro.pipelines.training import create_pipeline
+from titan_kedro.pipelines.training.nodes import check_token_vocab, train_model
+from titan_kedro.train.launch import TrainingFailedError, torchrun_command
+
+
+def test_pipeline_runs_after_data_and_model_spec() -> None:
+    (node,) = create_pipeline().nodes
+    assert set(node.inputs) == {"parameters", "token_metadata", "model_spec"}
+    assert node.outputs == ["training_summary"]
+
+
+def test_torchrun_command_single_and_multi_node() -> None:
+    from titan_kedro.config import build_job_config
+
+    single = build_job_config({"launch": {"nproc_per_node": 2, "max_restarts": 1}}).launch
+    cmd = torchrun_command(single, "job.yaml", python="py")
+    assert cmd[:3] == ["py", "-m", "torch.distributed.run"]
+    assert {"--standalone", "--nproc-per-node=2", "--nnodes=1", "--max-restarts=1"} <= set(cmd)
+    assert cmd[-4:] == ["-m", "titan_kedro.train", "--config", "job.yaml"]
+    multi = build_job_config(
+        {"launch": {"nproc_per_node": 8, "nnodes": 2, "node_rank": 1, "rdzv_endpoint": "h:29500"}}
+    ).launch
+    cmd = torchrun_command(multi, "job.yaml")
+    assert "--standalone" not in cmd
+    assert {"--rdzv-backend=c10d", "--rdzv-endpoint=h:29500", "--node-rank=1", "--nnodes=2"} <= set(
+        cmd
+    )
+    no_endpoint = build_job_config({"launch": {"nnodes": 2}}).launch
+    with pytest.raises(ValueError, match="rdzv_endpoint"):
+        torchrun_command(no_endpoint, "job.yaml")
+
+
+def test_vocab_mismatch_fails_before_launch() -> None:
+    check_token_vocab({"vocab_size": 100}, 512)
+    with pytest.raises(ValueError, match=r"model\.overrides\.vocab_size"):
+        check_token_vocab({"vocab_size": 102400}, 512)
+
+
+@pytest.mark.slow
+def test_node_trains_on_two_processes_into_the_active_mlflow_run(tmp_path: Path) -> None:
+    tokens = write_token_dir(tmp_path / "tokens")
+    params = tiny_job(
+        tmp_path,
+        tokens,
+        training={"steps": 4},
+        launch={"nproc_per_node": 2},
+        metrics={"enable_mlflow": True, "peak_tflops": None},
+        checkpoint={"interval": 2},
+    )
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    try:
+        with mlflow.start_run() as run:
+            summary = train_model(params, {"vocab_size": 512}, {})
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert summary["final_step"] == 4 and summary["tokens_seen"] == 4 * 2 * 2 * 32
+    assert summary["checkpoint_dir"].endswith("step-4")
+    written = json.loads((tmp_path / "job" / "summary.json").read_text())
+    assert written == summary
+    assert (tmp_path / "job" / "job_config.yaml").is_file()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    for key in ("loss", "tps", "mfu_pct", "grad_norm", "lr", "memory_gib"):
+        history = client.get_metric_history(run.info.run_id, key)
+        assert sorted(m.step for m in history) == [1, 2, 3, 4], key
+    assert client.get_metric_history(run.info.run_id, "peak_tflops")[0].value > 0
+    assert len(client.search_runs([run.info.experiment_id])) == 1  # workers opened no run
+
+
+@pytest.mark.slow
+def test_failed_training_raises_with_the_worker_error(tmp_path: Path) -> None:
+    params = tiny_job(tmp_path, tmp_path / "no_tokens_here", training={"steps": 2})
+    with pytest.raises(TrainingFailedError) as err:
+        train_model(params, {}, {})
+    message = str(err.value)
+    assert "exited with code" in message
+    assert "stderr.log" in message and "no token file" in message
