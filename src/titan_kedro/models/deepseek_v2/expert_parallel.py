@@ -115,7 +115,7 @@ class _ExpertParallelHooks:
 
     def __init__(self, ep_mesh: DeviceMesh) -> None:
         self.ep_mesh = ep_mesh
-        self.plans: list[DispatchPlan] = []
+        self.plan: DispatchPlan | None = None
 
     def before(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -124,14 +124,18 @@ class _ExpertParallelHooks:
         local_input, local_counts, plan = dispatch_tokens(
             routed_input, num_tokens_per_expert, self.ep_mesh
         )
-        # Checkpointed blocks run forward again in backward: a stack keeps nesting safe.
-        self.plans.append(plan)
+        # One slot, not a stack: a checkpoint recomputation that stops early (after the
+        # experts) must not leave a stale plan behind for the next call.
+        self.plan = plan
         return (local_input, local_counts.to(num_tokens_per_expert.dtype)), {}
 
     def after(
         self, module: nn.Module, args: Any, kwargs: Any, output: torch.Tensor
     ) -> torch.Tensor:
-        return combine_tokens(output, self.plans.pop(), self.ep_mesh)
+        plan, self.plan = self.plan, None
+        if plan is None:
+            raise RuntimeError("expert-parallel combine without a matching dispatch")
+        return combine_tokens(output, plan, self.ep_mesh)
 
 
 def _split_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:

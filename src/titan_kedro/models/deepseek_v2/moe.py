@@ -115,6 +115,12 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else weight
 
 
+def _recomputing() -> bool:
+    # A forward running inside backward is activation-checkpoint recomputation; counting
+    # its tokens again would double the expert load of checkpointed blocks.
+    return torch._C._current_graph_task_id() != -1
+
+
 def grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` can run experts for ``x`` and weights like ``w``.
 
@@ -199,8 +205,9 @@ class MoE(nn.Module):
         bias = self.expert_bias if self.bias_update_speed > 0 else None
         top_scores, selected, scores = self.router(tokens, bias)
         num_tokens_per_expert = torch.bincount(selected.flatten(), minlength=self.num_experts)
-        with torch.no_grad():
-            self.tokens_per_expert.add_(num_tokens_per_expert)
+        if not _recomputing():
+            with torch.no_grad():
+                self.tokens_per_expert.add_(num_tokens_per_expert)
         self.aux_loss = self.balance_loss(scores, selected, batch) if self.aux_loss_alpha else None
 
         routed_input, permutation = self.permute(tokens, selected)
