@@ -82,7 +82,7 @@ def _check_dispatch_and_combine(rank: int) -> None:
     torch.testing.assert_close(routed.grad, weights * (expert_of_row.float() + 1)[:, None])
 
 
-def _check_training_step(rank: int, world: int, ep: int) -> None:
+def _check_training_step(rank: int, world: int, ep: int, replicate: int = 1) -> None:
     """One EP (or plain FSDP) step on this rank's batch against the 2-batch reference."""
     from titan_kedro.models.registry import get_train_spec
     from titan_kedro.train.grad_clip import clip_grad_norm_
@@ -91,7 +91,7 @@ def _check_training_step(rank: int, world: int, ep: int) -> None:
     spec = get_train_spec("deepseek_v2")
     args = spec.resolve_args("debugmodel", TINY_DEEPSEEK)
     reference = _build(spec, args, seed=3)
-    dims = ParallelDims(dp_replicate=1, dp_shard=-1, ep=ep, world_size=world)
+    dims = ParallelDims(dp_replicate=replicate, dp_shard=-1, ep=ep, world_size=world)
     dims.build_mesh()
     config = make_config(training={"activation_checkpoint": "full"})
     model = spec.parallelize_fn(copy.deepcopy(reference), dims, config)
