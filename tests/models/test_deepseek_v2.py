@@ -313,6 +313,27 @@ def test_expert_load_counts_and_resets() -> None:
     assert not model.expert_load().any()
 
 
+def test_activation_checkpointing_keeps_outputs_and_counts_load_once() -> None:
+    from titan_kedro.models.parallel import apply_ac
+
+    torch.manual_seed(0)
+    plain = SPEC.build_model(TINY)
+    checkpointed = SPEC.build_model(TINY)
+    checkpointed.load_state_dict(plain.state_dict())
+    apply_ac(checkpointed, "full")
+    tokens = _tokens(2, 16, TINY.vocab_size)
+    for model in (plain, checkpointed):
+        (model(tokens).square().mean() + model.moe_aux_loss()).backward()
+    assert len(checkpointed.moe_layers()) == 2
+    torch.testing.assert_close(checkpointed.expert_load(), plain.expert_load())
+    grads = {
+        name.replace("_checkpoint_wrapped_module.", ""): p.grad
+        for name, p in checkpointed.named_parameters()
+    }
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad)
+
+
 def test_aux_loss_free_bias_evens_out_a_skewed_router() -> None:
     args = dataclasses.replace(TINY, load_balance_bias_update_speed=0.01)
     torch.manual_seed(0)

@@ -73,8 +73,9 @@ class DeepSeekV2ModelArgs:
     topk_group: int = 1
     """Groups kept per token by group-limited routing (a group scores its best expert)."""
     norm_topk_prob: bool = False
-    """Renormalize the top-k gate weights to sum to one (before ``routed_scaling_factor``).
-    transformers 5.x ignores this field; DeepSeek's reference code honours it."""
+    """Renormalize the top-k gate weights to sum to one, then apply ``routed_scaling_factor``
+    (the DeepSeek-V3 order; V2's reference code skips the scaling when renormalizing, but
+    no V2 release sets both). transformers 5.x ignores this field."""
     routed_scaling_factor: float = 1.0
     """Multiplier of the routed experts' gate weights."""
 

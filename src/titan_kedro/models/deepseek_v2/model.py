@@ -176,8 +176,8 @@ class DeepSeekV2Model(nn.Module):
     # DeepSeekMoE bookkeeping (generic training code checks these with hasattr).
 
     def moe_layers(self) -> list[MoE]:
-        """The MoE modules in layer order."""
-        return [layer.moe for layer in self.layers.values() if layer.moe_enabled]
+        """The MoE modules in layer order (found through any AC/compile/FSDP wrappers)."""
+        return [m for m in self.layers.modules() if isinstance(m, MoE)]
 
     def moe_aux_loss(self) -> torch.Tensor:
         """Sum of the expert-level balance losses of the last forward (0 when disabled)."""
