@@ -38,6 +38,8 @@ class SkipReport:
     """First few line numbers per reason."""
     damage: list[str] = field(default_factory=list)
     """File-level problems, e.g. a truncated or corrupt gzip stream."""
+    fatal: bool = False
+    """Some damage makes the whole source untrustworthy (``check`` then always fails)."""
 
     @property
     def skipped(self) -> int:
@@ -66,9 +68,10 @@ class SkipReport:
             if self.skipped == _LOGGED_PER_SOURCE:
                 logger.warning("%s: further skipped lines are counted, not logged", self.source)
 
-    def add_damage(self, message: str) -> None:
-        """Record (and log) file-level damage; the readable part is still used."""
+    def add_damage(self, message: str, *, fatal: bool = False) -> None:
+        """Record (and log) file-level damage; unless ``fatal``, the readable part is used."""
         self.damage.append(message)
+        self.fatal = self.fatal or fatal
         logger.warning("%s: %s", self.source, message)
 
     def describe(self) -> str:
@@ -86,7 +89,12 @@ class SkipReport:
         return text
 
     def check(self, max_bad_fraction: float) -> None:
-        """Raise ``BadInputError`` if the skipped share is above ``max_bad_fraction``."""
+        """Raise ``BadInputError`` on fatal damage or a skipped share above ``max_bad_fraction``."""
+        if self.fatal:
+            raise BadInputError(
+                f"{self.source}: {self.describe()}. Shards processed before this one are kept "
+                "in the manifest."
+            )
         if self.skipped and self.bad_fraction > max_bad_fraction:
             raise BadInputError(
                 f"{self.source}: {self.describe()} — {self.bad_fraction:.1%} is above "

@@ -1,7 +1,8 @@
 """Read C4 JSON-lines shards (plain or gzip) robustly, one document at a time.
 
-Every bad record is skipped and counted in a ``SkipReport`` with its line number; a
-truncated or corrupt gzip stream keeps its readable prefix and is reported as damage.
+Every bad record is skipped and counted in a ``SkipReport`` with its line number. A
+truncated gzip stream keeps its readable prefix and is reported as damage; corrupt gzip
+data (a deflate or CRC error) is fatal damage, since wrong text may already have decoded.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from typing import Any, NamedTuple
 
 from titan_kedro.data.bad_input import SkipReport
 
-_CHUNK = 1 << 20
-_PIECE = 1 << 16
-_SMALL_PIECE = 256
+# Small buffers keep the reader's memory constant; they cost nothing next to tokenizing.
+_CHUNK = 1 << 16
+_MAX_OUT = 1 << 16
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
@@ -134,40 +135,34 @@ def _gunzip(
     while compressed := fh.read(_CHUNK):
         if on_bytes:
             on_bytes(len(compressed))
-        while compressed:
+        data = compressed
+        while data:
             if not in_member:
-                compressed = compressed.lstrip(b"\x00")  # padding between/after members
-                if not compressed:
+                data = data.lstrip(b"\x00")  # padding between/after members
+                if not data:
                     break
-            in_member = True
-            piece, compressed = compressed[:_PIECE], compressed[_PIECE:]
-            before = decomp.copy()
+                in_member = True
             try:
-                out = decomp.decompress(piece)
+                out = decomp.decompress(data, _MAX_OUT)
             except zlib.error as err:
-                # Replay the failed piece in small steps to keep every byte before the damage.
-                decomp = before
-                for start in range(0, len(piece), _SMALL_PIECE):
-                    try:
-                        out = decomp.decompress(piece[start : start + _SMALL_PIECE])
-                    except zlib.error:
-                        break
-                    produced += len(out)
-                    if out:
-                        yield out
+                # Unlike a cut-off file, corrupt data (bad deflate codes or CRC) may already
+                # have decoded into wrong text somewhere before the error: nothing is trusted.
                 damaged[0] = True
                 report.add_damage(
-                    f"corrupt gzip data after {produced} decompressed bytes ({err}); "
-                    "kept the lines before it"
+                    f"corrupt gzip data after {produced} decompressed bytes ({err}); the "
+                    "decoded text cannot be trusted — re-download or remove this shard",
+                    fatal=True,
                 )
                 return
             produced += len(out)
             if out:
                 yield out
             if decomp.eof:
-                compressed = decomp.unused_data + compressed
+                data = decomp.unused_data
                 decomp = zlib.decompressobj(wbits=31)
                 in_member = False
+            else:
+                data = decomp.unconsumed_tail
     if in_member:
         damaged[0] = True
         try:

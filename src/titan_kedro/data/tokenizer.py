@@ -19,7 +19,6 @@ import tokenizers
 
 from titan_kedro.data.tokenizer_files import (
     CONFIG_FILE,
-    OPTIONAL_FILES,
     SPECIAL_TOKENS_FILE,
     TOKENIZER_FILE,
     TokenizerFiles,
@@ -53,7 +52,8 @@ class Tokenizer:
         source: Where the files were found (``local directory``, ``hugging face cache``, …).
         bos_id, eos_id, pad_id: Control token ids (``pad_id`` falls back to ``eos_id``).
         vocab_size: Number of token ids, added tokens included.
-        fingerprint: Hash of the tokenizer files; equal fingerprints encode identically.
+        fingerprint: Hash of ``tokenizer.json`` and the control tokens; equal fingerprints
+            encode identically.
     """
 
     def __init__(self, files: TokenizerFiles) -> None:
@@ -75,7 +75,9 @@ class Tokenizer:
         self.pad_token = pad if known_pad else self.eos_token
         self.pad_id = self._token_id(self.pad_token)
         self.vocab_size = self._backend.get_vocab_size(with_added_tokens=True)
-        self.fingerprint = _fingerprint(files.folder)
+        self.fingerprint = _fingerprint(
+            files.folder, (self.bos_token, self.eos_token, self.pad_token)
+        )
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Worker processes rebuild from the files instead of pickling the Rust object.
@@ -180,11 +182,12 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _fingerprint(folder: Path) -> str:
-    digest = hashlib.sha256()
-    for name in (TOKENIZER_FILE, *OPTIONAL_FILES):
-        path = folder / name
-        if path.is_file():
-            digest.update(name.encode())
-            digest.update(path.read_bytes())
+def _fingerprint(folder: Path, special_tokens: Sequence[str]) -> str:
+    """Hash of what decides the token ids: ``tokenizer.json`` and the control tokens.
+
+    Config details that do not change encoding (``tokenizer_class``, chat template, …) are
+    left out, so a copy written by ``save`` has the same fingerprint as its source.
+    """
+    digest = hashlib.sha256((folder / TOKENIZER_FILE).read_bytes())
+    digest.update(json.dumps(list(special_tokens)).encode())
     return digest.hexdigest()[:16]

@@ -112,6 +112,7 @@ class TokenFilesDataset(AbstractDataset[Mapping[str, Any], dict[str, Any]]):
         meta["fingerprint"] = data_fingerprint(
             tokenizer_fp, {name: info["sha256"] for name, info in split_meta.items()}
         )
+        meta["data_fingerprint"] = meta["fingerprint"]  # the key MLflow tagging looks for
         write_json_atomic(self._path / METADATA_FILE, meta)
 
     def _exists(self) -> bool:
