@@ -75,13 +75,26 @@ def single_threaded_tokenizers() -> Iterator[None]:
 
 
 class BatchEncoder:
-    """Encodes an iterable of text batches, in order, with ``num_workers`` single-threaded lanes."""
+    """Encodes an iterable of text batches, in order, with ``num_workers`` parallel lanes.
 
-    def __init__(self, tokenizer: Tokenizer, num_workers: int) -> None:
+    Args:
+        tokenizer: The tokenizer (pickled to the workers as its file location).
+        num_workers: Lanes; 0 = one per core, 1 = this process on one thread.
+        parallel: ``processes`` (default): a pool of single-threaded processes.
+            ``threads``: this process only, with the Rust thread pool of ``tokenizers``
+            (sized by ``RAYON_NUM_THREADS``, default all cores); kept for the benchmark.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, num_workers: int, *, parallel: str = "processes"
+    ) -> None:
+        if parallel not in {"processes", "threads"}:
+            raise ValueError(f"parallel must be 'processes' or 'threads', got {parallel!r}")
         self.tokenizer = tokenizer
         self.workers = resolve_workers(num_workers)
+        self.parallel = parallel
         self._pool: ProcessPoolExecutor | None = None
-        if self.workers > 1:
+        if self.workers > 1 and parallel == "processes":
             self._pool = ProcessPoolExecutor(
                 max_workers=self.workers,
                 mp_context=multiprocessing.get_context("spawn"),
@@ -92,7 +105,8 @@ class BatchEncoder:
     def map(self, batches: Iterable[list[str]]) -> Iterator[EncodedBatch]:
         """Encode each batch; results come back in input order."""
         if self._pool is None:
-            with single_threaded_tokenizers():
+            threads = self.workers > 1
+            with contextlib.nullcontext() if threads else single_threaded_tokenizers():
                 for texts in batches:
                     yield encode_texts(self.tokenizer.backend, texts)
             return

@@ -36,6 +36,7 @@ def tokenize_sources(
     min_chars: int = 1,
     max_bad_fraction: float = 0.01,
     max_documents: int | None = None,
+    parallel: str = "processes",
 ) -> list[dict[str, Any]]:
     """Make sure every source is tokenized in ``store``; return their manifest entries in order.
 
@@ -48,6 +49,7 @@ def tokenize_sources(
         min_chars: Shorter texts are skipped as ``empty_text``.
         max_bad_fraction: Fail when a shard skips a larger share of its records.
         max_documents: Stop after this many documents in total (None: everything).
+        parallel: ``processes`` or ``threads`` (see ``BatchEncoder``).
 
     Raises:
         BadInputError: A shard had too many bad records (earlier shards stay recorded).
@@ -77,7 +79,7 @@ def tokenize_sources(
                 )
             else:
                 if encoder is None:
-                    encoder = BatchEncoder(tokenizer, num_workers)
+                    encoder = BatchEncoder(tokenizer, num_workers, parallel=parallel)
                 entry = _tokenize_one(
                     source,
                     key,
