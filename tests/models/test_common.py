@@ -142,3 +142,9 @@ def test_half_rotation_matches_transformers_llama() -> None:
 def test_rotation_longer_than_precomputed_fails_clearly() -> None:
     with pytest.raises(ValueError, match="max_seq_len"):
         apply_rotary_emb(torch.randn(1, 9, 1, 4), precompute_freqs_cis(4, 8))
+
+
+def test_rotation_with_a_real_table_fails_clearly() -> None:
+    # e.g. after model.to(torch.bfloat16) cast the complex buffer to a real dtype
+    with pytest.raises(TypeError, match="complex"):
+        apply_rotary_emb(torch.randn(1, 4, 1, 4), precompute_freqs_cis(4, 8).real)

@@ -95,6 +95,20 @@ def test_construction_is_deterministic_and_meta_init_works() -> None:
     assert torch.isfinite(meta(_tokens(1, 8, TINY.vocab_size))).all()
 
 
+def test_bfloat16_cast_keeps_the_rotary_table_and_close_logits() -> None:
+    torch.manual_seed(0)
+    model = SPEC.build_model(TINY).eval()
+    tokens = _tokens(2, 16, TINY.vocab_size)
+    with torch.no_grad():
+        reference = model(tokens)
+        model.to(torch.bfloat16)
+        assert model.freqs_cis.dtype == torch.complex64
+        assert model.moe_layers()[0].experts.w1.dtype == torch.bfloat16
+        logits = model(tokens)
+    assert logits.dtype == torch.float32
+    assert (logits - reference).abs().max() < 0.05 * reference.abs().max()
+
+
 def test_args_reject_impossible_values_with_the_field_name() -> None:
     with pytest.raises(ValueError, match=r"n_group=3.*divide n_routed_experts=8"):
         dataclasses.replace(TINY, topk_method="group_limited_greedy", n_group=3)

@@ -198,6 +198,11 @@ def precompute_freqs_cis(
 
 def _broadcast_freqs(freqs_cis: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     # x: [batch, seq, heads, pairs]; freqs_cis: [>= seq, pairs] -> [1, seq, 1, pairs]
+    if not freqs_cis.is_complex():
+        raise TypeError(
+            f"freqs_cis must be complex (from precompute_freqs_cis), got {freqs_cis.dtype}; "
+            "a cast such as model.to(torch.bfloat16) may have turned it real"
+        )
     seq = x.shape[1]
     if freqs_cis.shape[0] < seq:
         raise ValueError(

@@ -23,6 +23,9 @@ RoPE pairs, float32 router, weights after the experts), so ``hf_adapter`` only r
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -148,6 +151,17 @@ class DeepSeekV2Model(nn.Module):
     def _rotary_table(self) -> torch.Tensor:
         a = self.args
         return precompute_freqs_cis(a.qk_rope_head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        # ``model.to(torch.bfloat16)`` would cast the complex rotary table to a real dtype
+        # (dropping the rotations' imaginary part); rebuild it as complex64 instead.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Casting complex values to real")
+            result = super()._apply(fn, recurse)
+        if not self.freqs_cis.is_complex():
+            with torch.device(self.freqs_cis.device):
+                self.freqs_cis = self._rotary_table()
+        return result
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
