@@ -159,9 +159,6 @@ class MlflowRunTagsHook:
             client.log_batch(self._run_id, params=pending[start : start + _PARAM_BATCH])
 
     def _on_dataset(self, dataset_name: str, data: Any) -> None:
-        if dataset_name == "token_files" and isinstance(data, Mapping):
-            # The token folder loaded whole (later stages run alone): same metadata.json.
-            dataset_name, data = "token_metadata", data.get("metadata")
         if self._run_id is None or dataset_name in self._logged:
             return
         artifact = DATASET_ARTIFACTS.get(dataset_name)
@@ -180,6 +177,10 @@ class MlflowRunTagsHook:
 
     @hook_impl
     def after_dataset_loaded(self, dataset_name: str, data: Any, node: Any) -> None:
+        if dataset_name == "token_files" and isinstance(data, Mapping):
+            # The token folder read whole (later stages run alone) holds the same
+            # metadata.json. Only on load: what is saved lacks the fields the dataset adds.
+            dataset_name, data = "token_metadata", data.get("metadata")
         self._on_dataset(dataset_name, data)
 
     @hook_impl

@@ -9,9 +9,28 @@ from matplotlib.figure import Figure
 from titan_kedro.tracking import plots
 
 
-def parse_training_metrics(metrics_jsonl: str) -> list[dict[str, Any]]:
-    """The workers' ``metrics.jsonl`` as records merged by step."""
-    return plots.parse_metrics_jsonl(metrics_jsonl)
+def parse_training_metrics(
+    metrics_jsonl: str, training_summary: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The workers' ``metrics.jsonl`` as records merged by step, up to the final step.
+
+    Takes the training summary so it reads the file only after training wrote it.
+
+    Raises:
+        ValueError: The file stops before the summary's final step (it belongs to another
+            run: is ``job.dump_folder`` shared between runs?).
+    """
+    records = plots.parse_metrics_jsonl(metrics_jsonl)
+    final_step = training_summary.get("final_step")
+    if final_step is not None:
+        if records[-1]["step"] < final_step:
+            raise ValueError(
+                f"metrics.jsonl ends at step {records[-1]['step']} but training finished at step "
+                f"{final_step}; the catalog's training_metrics_jsonl must be the file in "
+                "job.dump_folder of this run"
+            )
+        records = [r for r in records if r["step"] <= final_step]
+    return records
 
 
 def plot_loss_curves(

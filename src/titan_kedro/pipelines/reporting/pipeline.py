@@ -16,7 +16,7 @@ def create_pipeline(**kwargs: object) -> Pipeline:
         [
             node(
                 nodes.parse_training_metrics,
-                inputs="training_metrics_jsonl",
+                inputs=["training_metrics_jsonl", "training_summary"],
                 outputs="training_metrics",
                 name="parse_training_metrics",
             ),
