@@ -20,6 +20,7 @@ def load_final_model_node() -> node:
         ],
         outputs="final_model",
         name="load_final_model",
+        tags=["evaluation", "export_hf"],
     )
 
 
@@ -33,12 +34,14 @@ def create_pipeline(**kwargs: object) -> Pipeline:
                 inputs=["final_model", "token_files", "params:evaluation"],
                 outputs=["evaluation_results", "evaluation_metrics"],
                 name="compute_validation_loss",
+                tags=["evaluation"],
             ),
             node(
                 nodes.generate_samples,
                 inputs=["final_model", "token_files", "params:tokenizer", "params:evaluation"],
                 outputs="generations",
                 name="generate_samples",
+                tags=["evaluation"],
             ),
         ]
     )

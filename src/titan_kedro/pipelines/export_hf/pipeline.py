@@ -29,6 +29,7 @@ def create_pipeline(**kwargs: object) -> Pipeline:
                 },
                 outputs="hf_export_manifest",
                 name="export_final_model",
+                tags=["export_hf"],
             ),
         ]
     )

@@ -19,36 +19,42 @@ def create_pipeline(**kwargs: object) -> Pipeline:
                 inputs=["training_metrics_jsonl", "training_summary"],
                 outputs="training_metrics",
                 name="parse_training_metrics",
+                tags=["reporting"],
             ),
             node(
                 nodes.plot_loss_curves,
                 inputs=["training_metrics", "training_summary", "evaluation_results"],
                 outputs="loss_plot",
                 name="plot_loss_curves",
+                tags=["reporting"],
             ),
             node(
                 nodes.plot_learning_rate,
                 inputs="training_metrics",
                 outputs="learning_rate_plot",
                 name="plot_learning_rate",
+                tags=["reporting"],
             ),
             node(
                 nodes.plot_throughput,
                 inputs="training_metrics",
                 outputs="throughput_plot",
                 name="plot_throughput",
+                tags=["reporting"],
             ),
             node(
                 nodes.plot_expert_load,
                 inputs=["training_metrics", "params:model"],
                 outputs="expert_load_plot",
                 name="plot_expert_load",
+                tags=["reporting"],
             ),
             node(
                 nodes.summarize_report,
                 inputs=["training_metrics", "training_summary", "evaluation_results"],
                 outputs="reporting_summary",
                 name="summarize_report",
+                tags=["reporting"],
             ),
         ]
     )
