@@ -130,3 +130,14 @@ def test_too_many_bad_records_fail_with_how_many_why_and_where() -> None:
     assert "invalid_json 3 (lines 3, 9, 12)" in message
     assert "empty_text 2 (lines 20, 21)" in message
     assert "data.max_bad_fraction=0.01" in message
+
+
+def test_highly_compressible_lines_are_read_whole(tmp_path: Path) -> None:
+    texts = ["ab" * 200_000, "x" * 1_000_003, "short one"]
+    path = tmp_path / "runs.json.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as fh:
+        for text in texts:
+            fh.write(json.dumps({"text": text}) + "\n")
+    read, _, report = _read(path)
+    assert read == texts
+    assert report.damage == [] and report.skipped == 0

@@ -136,7 +136,7 @@ def _gunzip(
         if on_bytes:
             on_bytes(len(compressed))
         data = compressed
-        while data:
+        while True:
             if not in_member:
                 data = data.lstrip(b"\x00")  # padding between/after members
                 if not data:
@@ -161,16 +161,21 @@ def _gunzip(
                 data = decomp.unused_data
                 decomp = zlib.decompressobj(wbits=31)
                 in_member = False
-            else:
-                data = decomp.unconsumed_tail
+                continue
+            data = decomp.unconsumed_tail
+            # A full output buffer may leave output pending inside zlib: ask again.
+            if not data and len(out) < _MAX_OUT:
+                break
     if in_member:
-        damaged[0] = True
         try:
             tail = decomp.flush()
         except zlib.error:
             tail = b""
         if tail:
             yield tail
+        if decomp.eof:
+            return
+        damaged[0] = True
         report.add_damage(
             f"truncated gzip stream: it ends after {produced + len(tail)} decompressed bytes "
             "without an end-of-stream marker; kept the readable lines"

@@ -121,7 +121,7 @@ def _tokenize_one(
         with tqdm(
             total=source.size_hint,
             desc=f"tokenize {source.name}",
-            unit="B",
+            unit=source.progress_unit,
             unit_scale=True,
             disable=None,
             leave=False,

@@ -49,6 +49,11 @@ class DocumentSource(Protocol):
         """Total for a progress bar in the units ``on_bytes`` reports (None: unknown)."""
         ...
 
+    @property
+    def progress_unit(self) -> str:
+        """Unit of ``size_hint`` and ``on_bytes``: ``B`` (file bytes) or ``docs``."""
+        ...
+
 
 @dataclass(frozen=True)
 class ShardFile:
@@ -75,6 +80,10 @@ class ShardFile:
     @property
     def size_hint(self) -> int:
         return self.size
+
+    @property
+    def progress_unit(self) -> str:
+        return "B"
 
     def documents(
         self, report: SkipReport, *, min_chars: int, on_bytes: Callable[[int], None] | None = None
@@ -104,6 +113,10 @@ class HubSource:
     @property
     def size_hint(self) -> int:
         return self.max_documents
+
+    @property
+    def progress_unit(self) -> str:
+        return "docs"
 
     def cache_identity(self) -> dict[str, Any]:
         return {
