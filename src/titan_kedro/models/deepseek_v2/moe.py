@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_kedro.models.common import FeedForward
 from titan_kedro.models.deepseek_v2.args import DeepSeekV2ModelArgs
@@ -111,8 +112,8 @@ class GroupedExperts(nn.Module):
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
     # Expert-parallel weights are DTensors sharded over experts; compute on the local shard.
-    to_local = getattr(weight, "to_local", None)
-    return to_local() if callable(to_local) else weight
+    # (An isinstance test, unlike duck typing, is traced correctly by torch.compile.)
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def _recomputing() -> bool:
@@ -135,6 +136,9 @@ def grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     row_bytes = x.element_size()
     if any((size * row_bytes) % _GROUPED_MM_STRIDE_BYTES for size in w.shape[1:]):
+        return False
+    if x.device.type == "cpu" and torch.compiler.is_compiling():
+        # Its fake-tensor kernel takes bfloat16 only, so compiled CPU graphs use bmm.
         return False
     if x.device.type == "cuda":
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
