@@ -16,7 +16,8 @@ Both transfers are autograd-aware (``all_to_all_single_autograd``): the backward
 dispatch is the reverse all-to-all of the gradients. Expert weights become ``DTensor``
 ``Shard(0)`` on the EP mesh, so state dicts keep the full expert dimension and
 checkpoints load under any EP degree. The ``GroupedExperts`` forward works on the local
-shard (``to_local``).
+shard (``to_local``). A forward that activation checkpointing replays in backward
+repeats the same all-to-alls on every rank, in the same order.
 """
 
 from __future__ import annotations
@@ -176,8 +177,3 @@ def shard_experts(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
     hooks = _ExpertParallelHooks(ep_mesh)
     experts.register_forward_pre_hook(hooks.before, with_kwargs=True)
     experts.register_forward_hook(hooks.after, with_kwargs=True)
-
-
-def local_weight(weight: torch.Tensor) -> torch.Tensor:
-    """This rank's experts of a stacked expert weight (the weight itself when not sharded)."""
-    return weight.to_local() if isinstance(weight, DTensor) else weight
