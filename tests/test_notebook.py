@@ -59,12 +59,3 @@ def test_notebook_plots_the_latest_run(tmp_path: Path, monkeypatch: pytest.Monke
     assert "model.spec = deepseek_v2" in text
     assert "loss: 6 points" in text and "val_loss: 1 points" in text and "mfu_pct: 6 points" in text
     assert len(images) == 1 and len(images[0]) > 10_000
-
-
-@pytest.mark.slow
-def test_notebook_says_what_to_do_without_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'empty.db'}")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
-    with pytest.raises(Exception, match=r"no experiment 'titan_kedro'.*run `kedro run` first"):
-        client.execute()

@@ -66,7 +66,6 @@ def test_export_loads_with_auto_classes_and_matches_our_logits(
     with torch.no_grad():
         diff = (hf(tokens).logits - model(tokens)).abs().max().item()
     assert diff <= 1e-4
-    assert compare_logits(folder, model, tokens) == pytest.approx(diff, abs=1e-6)
 
     hf_tok = AutoTokenizer.from_pretrained(folder)
     text = "Tokenizers must agree: 12345 naïve café"
