@@ -174,7 +174,9 @@ def test_ep_dispatch_gradients_norm_and_load_match_single_process(tmp_path: Path
         assert not messages, "\n".join(messages)
 
 
-def _run(tmp_path: Path, token_dir: Path, name: str, *, nproc: int, ep: int) -> list[dict[str, Any]]:
+def _run(
+    tmp_path: Path, token_dir: Path, name: str, *, nproc: int, ep: int
+) -> list[dict[str, Any]]:
     raw = tiny_job(
         tmp_path / name,
         token_dir,
