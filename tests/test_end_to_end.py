@@ -77,7 +77,9 @@ class E2ERun:
     wall_time_s: float
 
     def history(self, key: str) -> list[tuple[int, float]]:
-        return [(m.step, m.value) for m in self.client.get_metric_history(self.run.info.run_id, key)]
+        return [
+            (m.step, m.value) for m in self.client.get_metric_history(self.run.info.run_id, key)
+        ]
 
     def artifacts(self, path: str | None = None) -> list[str]:
         found = []
@@ -238,7 +240,9 @@ def test_a_failed_training_marks_the_mlflow_run_failed(
         with KedroSession.create(
             project_path=e2e.project, env="test", runtime_params=params
         ) as session:
-            with pytest.raises(ValueError, match="vocab_size 100002 but the model's vocab_size is 1000"):
+            with pytest.raises(
+                ValueError, match="vocab_size 100002 but the model's vocab_size is 1000"
+            ):
                 session.run(pipeline_names=["training"])
     finally:
         bootstrap_project(REPO)

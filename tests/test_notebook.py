@@ -52,7 +52,9 @@ def test_notebook_plots_the_latest_run(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.delenv("TITAN_RUN_ID", raising=False)
     monkeypatch.delenv("TITAN_EXPERIMENT", raising=False)
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
 
     text, images = _outputs(nb)
     assert f"run {latest} (newest): FINISHED" in text

@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 from test_end_to_end import copy_project
 
-PIPELINES = {"__default__", "data_processing", "model_spec", "training", "evaluation", "reporting", "export_hf"}
+PIPELINES = {
+    "__default__",
+    "data_processing",
+    "model_spec",
+    "training",
+    "evaluation",
+    "reporting",
+    "export_hf",
+}
 LAYER_ORDER = ("raw", "intermediate", "primary", "model_input", "model_output", "reporting")
 
 
@@ -47,7 +55,12 @@ def test_build_lists_every_pipeline(viz_build: Path) -> None:
 def test_each_pipeline_response_holds_its_nodes(viz_build: Path) -> None:
     expected = {
         "evaluation": {"load_final_model", "compute_validation_loss", "generate_samples"},
-        "reporting": {"parse_training_metrics", "plot_loss_curves", "plot_expert_load", "summarize_report"},
+        "reporting": {
+            "parse_training_metrics",
+            "plot_loss_curves",
+            "plot_expert_load",
+            "summarize_report",
+        },
         "export_hf": {"load_final_model", "export_final_model"},
         "training": {"train_model"},
     }

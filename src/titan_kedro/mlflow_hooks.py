@@ -58,11 +58,17 @@ def git_revision(*folders: Path) -> tuple[str, bool] | None:
         try:
             sha = subprocess.run(
                 ["git", "-C", str(folder), "rev-parse", "HEAD"],
-                capture_output=True, text=True, check=True, timeout=10,
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=10,
             ).stdout.strip()
             status = subprocess.run(
                 ["git", "-C", str(folder), "status", "--porcelain", "--untracked-files=no"],
-                capture_output=True, text=True, check=True, timeout=10,
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=10,
             ).stdout
         except (OSError, subprocess.SubprocessError):
             continue

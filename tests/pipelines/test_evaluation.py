@@ -23,7 +23,14 @@ from titan_kedro.pipelines.evaluation import create_pipeline
 from titan_kedro.train import evaluate
 from titan_kedro.train.trainer import build_model
 
-TINY_LLAMA = {"vocab_size": 96, "dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 2, "max_seq_len": 64}
+TINY_LLAMA = {
+    "vocab_size": 96,
+    "dim": 32,
+    "n_layers": 1,
+    "n_heads": 2,
+    "n_kv_heads": 2,
+    "max_seq_len": 64,
+}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +72,10 @@ def test_generation_stops_at_eos_and_respects_the_vocab_limit(tiny_model: torch.
 
 def test_mean_loss_is_the_mean_cross_entropy_and_restores_mode(tiny_model: torch.nn.Module) -> None:
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 96, (2, 8), generator=g), torch.randint(0, 96, (2, 8), generator=g)) for _ in range(3)]
+    batches = [
+        (torch.randint(0, 96, (2, 8), generator=g), torch.randint(0, 96, (2, 8), generator=g))
+        for _ in range(3)
+    ]
     loss_fn = lambda logits, labels: F.cross_entropy(logits.flatten(0, 1), labels.flatten())  # noqa: E731
     with torch.no_grad():
         expected = np.mean([float(loss_fn(tiny_model(x), y)) for x, y in batches[:2]])
@@ -99,7 +109,10 @@ def write_checkpoint(model: torch.nn.Module, folder: Path, step: int) -> Path:
 def test_evaluation_pipeline_on_a_checkpoint(tmp_path: Path) -> None:
     tok = build_tokenizer("deepseek-ai/DeepSeek-V2-Lite")
     stream = np.concatenate(
-        [np.asarray(ids, dtype=np.uint32) for ids in tok.encode_batch(c4_documents(40), bos=True, eos=True)]
+        [
+            np.asarray(ids, dtype=np.uint32)
+            for ids in tok.encode_batch(c4_documents(40), bos=True, eos=True)
+        ]
     )
     overrides = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 128}
     params: dict[str, Any] = {
@@ -109,8 +122,12 @@ def test_evaluation_pipeline_on_a_checkpoint(tmp_path: Path) -> None:
         "checkpoint": {"folder": str(tmp_path / "ckpt")},
         "tokenizer": {"name_or_path": "deepseek-ai/DeepSeek-V2-Lite"},
         "evaluation": {
-            "batches": 2, "num_prompts": 2, "prompt_tokens": 6, "max_new_tokens": 4,
-            "top_k": 10, "temperature": 1.0,
+            "batches": 2,
+            "num_prompts": 2,
+            "prompt_tokens": 6,
+            "max_new_tokens": 4,
+            "top_k": 10,
+            "temperature": 1.0,
         },
     }
     spec = get_train_spec("llama3")
@@ -126,7 +143,10 @@ def test_evaluation_pipeline_on_a_checkpoint(tmp_path: Path) -> None:
                 copy_mode="assign",
             ),
             **{f"params:{k}": MemoryDataset(v) for k, v in params.items()},
-            **{name: MemoryDataset() for name in ("evaluation_results", "evaluation_metrics", "generations")},
+            **{
+                name: MemoryDataset()
+                for name in ("evaluation_results", "evaluation_metrics", "generations")
+            },
         }
     )
     SequentialRunner().run(create_pipeline(), catalog)
@@ -151,7 +171,9 @@ def test_evaluation_pipeline_on_a_checkpoint(tmp_path: Path) -> None:
     for sample in samples:
         assert sample["prompt_ids"][0] == tok.bos_id and len(sample["prompt_ids"]) == 6
         assert sample["prompt"] == tok.decode(sample["prompt_ids"])
-        assert 1 <= len(sample["greedy_ids"]) <= 4 and sample["greedy"] == tok.decode(sample["greedy_ids"])
+        assert 1 <= len(sample["greedy_ids"]) <= 4 and sample["greedy"] == tok.decode(
+            sample["greedy_ids"]
+        )
         assert max(sample["sampled_ids"]) < tok.vocab_size
     assert generations["settings"]["seed"] == 3
 
@@ -170,12 +192,23 @@ def test_evaluation_refuses_tokens_made_by_another_tokenizer(tmp_path: Path) -> 
     with pytest.raises(ValueError, match="is not the one the token files were made with"):
         generate_samples(
             loaded,
-            {"validation": np.zeros(10, dtype=np.uint32), "metadata": {"tokenizer": {"fingerprint": "other"}}},
+            {
+                "validation": np.zeros(10, dtype=np.uint32),
+                "metadata": {"tokenizer": {"fingerprint": "other"}},
+            },
             {"name_or_path": "deepseek-ai/DeepSeek-V2-Lite"},
-            {"num_prompts": 1, "prompt_tokens": 4, "max_new_tokens": 2, "top_k": 2, "temperature": 1.0},
+            {
+                "num_prompts": 1,
+                "prompt_tokens": 4,
+                "max_new_tokens": 2,
+                "top_k": 2,
+                "temperature": 1.0,
+            },
         )
 
 
 def test_missing_checkpoint_fails_with_advice(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=r"no checkpoint to evaluate.*checkpoint.enable: true"):
+    with pytest.raises(
+        FileNotFoundError, match=r"no checkpoint to evaluate.*checkpoint.enable: true"
+    ):
         evaluate.resolve_checkpoint({"checkpoint_dir": None}, tmp_path / "nothing")

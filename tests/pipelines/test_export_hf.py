@@ -22,10 +22,20 @@ from titan_kedro.train.trainer import build_model
 TOKENIZER = "deepseek-ai/DeepSeek-V2-Lite"
 # Small DeepSeek-V2 with the real (padded) vocabulary: 102400 embedding rows, 100002 tokens.
 TINY_DSV2 = {
-    "vocab_size": 102400, "dim": 64, "n_layers": 2, "n_heads": 2, "max_seq_len": 128,
-    "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
-    "intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": 4,
-    "num_experts_per_tok": 2, "n_shared_experts": 1,
+    "vocab_size": 102400,
+    "dim": 64,
+    "n_layers": 2,
+    "n_heads": 2,
+    "max_seq_len": 128,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
 }
 
 
@@ -42,7 +52,9 @@ def dsv2() -> tuple[Any, Any, torch.nn.Module]:
 
 
 def _tokens(tokenizer: Any) -> torch.Tensor:
-    ids = tokenizer.encode("The river runs through the old city, past the market.", bos=True, eos=False)
+    ids = tokenizer.encode(
+        "The river runs through the old city, past the market.", bos=True, eos=False
+    )
     return torch.tensor([ids])
 
 
@@ -53,15 +65,24 @@ def test_export_loads_with_auto_classes_and_matches_our_logits(
     folder = tmp_path / "hf"
     files = export_hf_folder(model, spec, args, folder, tokenizer=tokenizer, model_card="# card\n")
     names = {p.name for p in files}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "README.md",
+    } <= names
     assert not (tmp_path / "hf.tmp").exists()
 
     config = json.loads((folder / "config.json").read_text())
-    assert config["vocab_size"] == 102400 != tokenizer.vocab_size  # the model's, not the tokenizer's
+    # The model's (padded) embedding size, not the tokenizer's 100002.
+    assert config["vocab_size"] == 102400 != tokenizer.vocab_size
     assert config["architectures"] == ["DeepseekV2ForCausalLM"]
     assert (config["bos_token_id"], config["eos_token_id"]) == (tokenizer.bos_id, tokenizer.eos_id)
 
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    hf = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    )
     tokens = _tokens(tokenizer)
     with torch.no_grad():
         diff = (hf(tokens).logits - model(tokens)).abs().max().item()
@@ -69,12 +90,24 @@ def test_export_loads_with_auto_classes_and_matches_our_logits(
 
     hf_tok = AutoTokenizer.from_pretrained(folder)
     text = "Tokenizers must agree: 12345 naïve café"
-    assert hf_tok(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(text, bos=False, eos=False)
+    assert hf_tok(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(
+        text, bos=False, eos=False
+    )
 
 
 def test_large_weights_are_sharded_with_an_index(tmp_path: Path, tokenizer: Any) -> None:
     spec = get_train_spec("llama3")
-    args = spec.resolve_args("debugmodel", {"vocab_size": 512, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64})
+    args = spec.resolve_args(
+        "debugmodel",
+        {
+            "vocab_size": 512,
+            "dim": 64,
+            "n_layers": 2,
+            "n_heads": 4,
+            "n_kv_heads": 2,
+            "max_seq_len": 64,
+        },
+    )
     model = build_model(spec, args, 0, torch.device("cpu")).eval()
     files = export_hf_folder(model, spec, args, tmp_path / "hf", max_shard_gib=100_000 / 2**30)
     shards = [p for p in files if p.suffix == ".safetensors"]
@@ -85,7 +118,9 @@ def test_large_weights_are_sharded_with_an_index(tmp_path: Path, tokenizer: Any)
     assert compare_logits(tmp_path / "hf", model, tokens) <= 1e-4
 
 
-def test_a_spec_without_adapter_is_refused(tmp_path: Path, dsv2: tuple[Any, Any, torch.nn.Module]) -> None:
+def test_a_spec_without_adapter_is_refused(
+    tmp_path: Path, dsv2: tuple[Any, Any, torch.nn.Module]
+) -> None:
     spec, args, model = dsv2
     from dataclasses import replace
 
@@ -95,14 +130,23 @@ def test_a_spec_without_adapter_is_refused(tmp_path: Path, dsv2: tuple[Any, Any,
 
 def _run_export_node(tmp_path: Path, model: torch.nn.Module, tokenizer: Any) -> dict[str, Any]:
     resolved = resolve_job_config(
-        {"model": {"name": "deepseek_v2", "flavor": "debugmodel", "overrides": TINY_DSV2}, "training": {"seq_len": 64}}
+        {
+            "model": {"name": "deepseek_v2", "flavor": "debugmodel", "overrides": TINY_DSV2},
+            "training": {"seq_len": 64},
+        }
     )
     stream = np.asarray(_tokens(tokenizer)[0].tolist() * 4, dtype=np.uint32)
     return export_final_model(
         final_model=LoadedCheckpoint(model, resolved, tmp_path / "step-7", 7),
         token_files={"validation": stream},
         tokenizer={"name_or_path": TOKENIZER},
-        export={"folder": str(tmp_path / "hf"), "verify": True, "verify_tokens": 32, "tolerance": 1e-4, "max_shard_gib": 5.0},
+        export={
+            "folder": str(tmp_path / "hf"),
+            "verify": True,
+            "verify_tokens": 32,
+            "tolerance": 1e-4,
+            "max_shard_gib": 5.0,
+        },
         training_summary={"tokens_seen": 1234},
         evaluation_results={"val_loss": 7.5, "val_perplexity": 1808.0},
         reporting_summary={"final_loss": 7.0},
@@ -114,7 +158,10 @@ def test_export_node_verifies_the_folder_and_writes_a_model_card(
 ) -> None:
     manifest = _run_export_node(tmp_path, dsv2[2], tokenizer)
     assert manifest["faithful"] is True and manifest["max_abs_logit_diff"] <= 1e-4
-    assert (manifest["vocab_size"], manifest["tokenizer_vocab_size"]) == (102400, tokenizer.vocab_size)
+    assert (manifest["vocab_size"], manifest["tokenizer_vocab_size"]) == (
+        102400,
+        tokenizer.vocab_size,
+    )
     card = (tmp_path / "hf" / "README.md").read_text()
     assert "| validation loss | 7.5 |" in card and "| training steps | 7 |" in card
 
@@ -123,7 +170,9 @@ def test_export_node_flags_a_nonzero_expert_bias_that_transformers_cannot_expres
     tmp_path: Path, tokenizer: Any
 ) -> None:
     spec = get_train_spec("deepseek_v2")
-    model = build_model(spec, spec.resolve_args("debugmodel", TINY_DSV2), 5, torch.device("cpu")).eval()
+    model = build_model(
+        spec, spec.resolve_args("debugmodel", TINY_DSV2), 5, torch.device("cpu")
+    ).eval()
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if name.endswith("expert_bias"):

@@ -61,7 +61,9 @@ def generate(
             raise ValueError(f"prompts must share one length, got lengths {sorted(lengths)}")
         tokens = torch.tensor([list(p) for p in prompts], dtype=torch.long, device=device)
     if tokens.ndim != 2 or tokens.shape[0] == 0 or tokens.shape[1] == 0:
-        raise ValueError(f"prompts must be a non-empty [batch, prompt_len] array, got {tuple(tokens.shape)}")
+        raise ValueError(
+            f"prompts must be a non-empty [batch, prompt_len] array, got {tuple(tokens.shape)}"
+        )
 
     generator = None
     if top_k not in (None, 1):

@@ -38,7 +38,9 @@ def require_adapter(spec: Any) -> Any:
     return spec.state_dict_adapter
 
 
-def hf_state_dict(model: nn.Module, spec: Any, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def hf_state_dict(
+    model: nn.Module, spec: Any, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """Our weights under Hugging Face names, on CPU, contiguous, with no shared storage.
 
     Raises:
@@ -57,7 +59,9 @@ def hf_state_dict(model: nn.Module, spec: Any, dtype: torch.dtype = torch.float3
     return out
 
 
-def hf_config(spec: Any, args: Any, *, dtype: torch.dtype, bos_id: int | None, eos_id: int | None) -> Any:
+def hf_config(
+    spec: Any, args: Any, *, dtype: torch.dtype, bos_id: int | None, eos_id: int | None
+) -> Any:
     """The spec's transformers config for ``args``, with architecture, dtype and control ids."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -73,7 +77,9 @@ def hf_config(spec: Any, args: Any, *, dtype: torch.dtype, bos_id: int | None, e
     return config
 
 
-def _write_weights(tensors: Mapping[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> list[Path]:
+def _write_weights(
+    tensors: Mapping[str, torch.Tensor], folder: Path, max_shard_bytes: int
+) -> list[Path]:
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     metadata = {"format": "pt"}
     if total <= max_shard_bytes:
@@ -144,7 +150,9 @@ def export_hf_folder(
     config.save_pretrained(staging)
     GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id).save_pretrained(staging)
     written = [staging / "config.json", staging / "generation_config.json"]
-    written += _write_weights(hf_state_dict(model, spec, dtype), staging, int(max_shard_gib * 2**30))
+    written += _write_weights(
+        hf_state_dict(model, spec, dtype), staging, int(max_shard_gib * 2**30)
+    )
     if tokenizer is not None:
         written += [Path(p) for p in tokenizer.save(staging)]
     if model_card is not None:
@@ -158,7 +166,9 @@ def export_hf_folder(
 
 
 @torch.no_grad()
-def compare_logits(folder: str | Path, model: nn.Module, tokens: Sequence[Sequence[int]] | torch.Tensor) -> float:
+def compare_logits(
+    folder: str | Path, model: nn.Module, tokens: Sequence[Sequence[int]] | torch.Tensor
+) -> float:
     """Largest absolute logit difference between the exported folder and ``model``.
 
     Loads the folder with ``AutoModelForCausalLM`` in float32 with eager attention, on CPU.

@@ -57,8 +57,7 @@ def parse_metrics_jsonl(text: str, *, source: str = "metrics.jsonl") -> list[Met
         by_step.setdefault(record["step"], {}).update(record)
     if not by_step:
         raise ValueError(
-            f"{source} holds no metrics records; did training run at least "
-            "metrics.log_freq steps?"
+            f"{source} holds no metrics records; did training run at least metrics.log_freq steps?"
         )
     return [by_step[step] for step in sorted(by_step)]
 

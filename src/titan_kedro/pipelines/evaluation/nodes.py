@@ -61,7 +61,10 @@ def compute_validation_loss(
     )
     loss_fn = final_model.resolved.spec.build_loss_fn(cfg)
     val_loss, tokens = evaluate.mean_loss(
-        final_model.model, iter(loader), loss_fn, n_batches=min(evaluation["batches"], loader.batches_per_epoch)
+        final_model.model,
+        iter(loader),
+        loss_fn,
+        n_batches=min(evaluation["batches"], loader.batches_per_epoch),
     )
     val_perplexity = evaluate.perplexity(val_loss)
     logger.info("val_loss %.4f (perplexity %.1f) over %d tokens", val_loss, val_perplexity, tokens)

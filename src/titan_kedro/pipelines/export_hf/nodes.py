@@ -93,6 +93,9 @@ def export_final_model(
             manifest["mismatch_reason"] = reason
             logger.warning(
                 "HF export in %s differs from our model: max |logit diff| %.3g > %.1e; %s",
-                folder, diff, export["tolerance"], reason,
+                folder,
+                diff,
+                export["tolerance"],
+                reason,
             )
     return manifest
