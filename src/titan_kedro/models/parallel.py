@@ -105,8 +105,9 @@ def apply_fsdp(
 
 
 def training_dtypes(job_config: Any, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
-    """``(param_dtype, reduce_dtype)``: the config's mixed precision on GPU, float32 on CPU."""
-    if device.type != "cuda":
+    """``(param_dtype, reduce_dtype)``: the config's mixed precision on GPU (and on CPU with
+    ``training.mixed_precision_cpu``), else float32."""
+    if device.type != "cuda" and not getattr(job_config.training, "mixed_precision_cpu", False):
         return torch.float32, torch.float32
     return (
         getattr(torch, job_config.training.mixed_precision_param),

@@ -62,8 +62,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     raw = load_raw_config(config_file, overrides)
     resolved = resolve_job_config(raw, source=config_file or "command line")
 
+    from titan_kedro.train.device import keep_freed_memory_mapped
     from titan_kedro.train.trainer import Trainer
 
+    if resolved.config.training.device != "cuda":
+        keep_freed_memory_mapped()
     trainer = Trainer(resolved)
     try:
         summary = trainer.train()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -57,12 +58,18 @@ def init_process_group(device: torch.device, timeout_s: int = 600) -> None:
     """
     if dist.is_initialized():
         return
+    timeout = timedelta(seconds=timeout_s)
     kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
     if "RANK" not in os.environ:
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
-    dist.init_process_group(
-        backend=backend_for(device), timeout=timedelta(seconds=timeout_s), **kwargs
-    )
+    else:
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+        # torchrun keeps one store across restarts of the worker group: without a prefix
+        # per attempt, a restarted rank can read the address a dead rank published.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"titan_kedro/attempt_{attempt}/", store)
+        kwargs.update(store=store, rank=rank, world_size=world_size)
+    dist.init_process_group(backend=backend_for(device), timeout=timeout, **kwargs)
 
 
 def set_cpu_threads(num_threads: int, local_world_size: int) -> int:
@@ -76,3 +83,30 @@ def set_cpu_threads(num_threads: int, local_world_size: int) -> int:
         num_threads = max(1, (cores or 1) // max(1, local_world_size))
     torch.set_num_threads(num_threads)
     return num_threads
+
+
+def keep_freed_memory_mapped() -> bool:
+    """Let glibc serve large CPU tensors from its heap and keep freed memory for reuse.
+
+    By default glibc maps every allocation above 32 MiB freshly and unmaps it on free, so
+    a training step that allocates hundreds of MB of logits, gradients and FSDP buffers
+    pays page faults for all of them again every step. Disabling ``mmap`` allocations
+    (``M_MMAP_MAX=0``) and heap trimming keeps that memory in the process for the next
+    step. Call it once in a dedicated training process (it is process-wide).
+
+    Returns:
+        True when applied (Linux with glibc), False otherwise.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_max = -1, -4
+        ok = libc.mallopt(m_mmap_max, 0) == 1
+        return ok and libc.mallopt(m_trim_threshold, 2**31 - 1) == 1
+    except (OSError, AttributeError):
+        return False

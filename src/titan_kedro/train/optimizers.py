@@ -121,14 +121,15 @@ def build_optimizers(model_parts: Iterable[nn.Module], cfg: Any) -> OptimizersCo
     if section.name != "AdamW":
         raise ValueError(f"optimizer.name={section.name!r} is not supported; use 'AdamW'")
     parts = list(model_parts)
-    # Fused AdamW needs every parameter on one accelerator; foreach suits CPU too.
+    impl = getattr(section, "implementation", "fused")
     make = functools.partial(
         torch.optim.AdamW,
         lr=section.lr,
         betas=tuple(section.betas),
         eps=section.eps,
         weight_decay=section.weight_decay,
-        foreach=True,
+        fused=impl == "fused",
+        foreach=impl == "foreach",
     )
     optimizers = []
     for index, model in enumerate(parts):

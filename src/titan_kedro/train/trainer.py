@@ -24,10 +24,17 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_kedro.config import ResolvedJob
+from titan_kedro.models.parallel import training_dtypes
+from titan_kedro.models.registry import default_build_loss
 from titan_kedro.tracking.mlflow_logger import MlflowMetricsSink
 from titan_kedro.train.checkpoint import CheckpointManager, ModelState, rng_state, set_rng_state
 from titan_kedro.train.device import env_int, init_process_group, resolve_device, set_cpu_threads
 from titan_kedro.train.faults import maybe_crash
+from titan_kedro.train.fused_loss import (
+    FusedOutputLoss,
+    can_defer_output_projection,
+    defer_output_projection,
+)
 from titan_kedro.train.grad_clip import clip_grad_norm_
 from titan_kedro.train.metrics import (
     MetricsLogger,
@@ -109,12 +116,19 @@ class Trainer:
 
         model = build_model(self.spec, self.model_args, cfg.job.seed, self.device)
         self.n_params = sum(p.numel() for p in model.parameters())
+        self.loss_fn = self.spec.build_loss_fn(cfg)
+        self.fused_loss = (
+            cfg.training.fused_loss
+            and self.spec.build_loss_fn is default_build_loss
+            and can_defer_output_projection(model)
+        )
+        if self.fused_loss:
+            self.loss_fn = FusedOutputLoss(defer_output_projection(model))
         self.model = self.spec.parallelize_fn(model, self.parallel_dims, cfg)
         self.model.train()
         self.model_parts = [self.model]
         self.optimizers = self.spec.build_optimizers_fn(self.model_parts, cfg)
         self.lr_schedulers = self.spec.build_lr_schedulers_fn(self.optimizers, cfg)
-        self.loss_fn = self.spec.build_loss_fn(cfg)
         # Different per rank so any sampling differs across ranks; restored on resume.
         torch.manual_seed(cfg.job.seed + 1 + self.rank)
 
@@ -166,11 +180,7 @@ class Trainer:
         self.metrics: MetricsLogger | None = None
         self.peak_tflops = 0.0
         if self.rank == 0:
-            compute_dtype = (
-                getattr(torch, cfg.training.mixed_precision_param)
-                if self.device.type == "cuda"
-                else torch.float32
-            )
+            compute_dtype = training_dtypes(cfg, self.device)[0]
             self.peak_tflops = peak_tflops(self.device, compute_dtype, cfg.metrics.peak_tflops)
             self.metrics = MetricsLogger(
                 cfg.job.dump_folder,
