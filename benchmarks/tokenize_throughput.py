@@ -19,6 +19,7 @@ import gzip
 import json
 import os
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -60,18 +61,25 @@ def env(name: str, value: str) -> Iterator[None]:
             os.environ[name] = previous
 
 
-def timed(fn: Callable[[], int]) -> float:
-    """Tokens per second of one call of ``fn`` (which returns its token count)."""
-    start = time.perf_counter()
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (the joined pool workers)."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+def timed(fn: Callable[[], int]) -> tuple[float, float]:
+    """Tokens per wall-clock second and per CPU second of one call of ``fn``."""
+    start, cpu_start = time.perf_counter(), _cpu_seconds()
     tokens = fn()
-    return tokens / (time.perf_counter() - start)
+    return tokens / (time.perf_counter() - start), tokens / (_cpu_seconds() - cpu_start)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=1, help="data.num_workers for our path")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (median)")
-    parser.add_argument("--repeat-docs", type=int, default=3, help="copies of the sample")
+    parser.add_argument("--repeat-docs", type=int, default=8, help="copies of the sample")
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument(
         "--also-threads",
@@ -80,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     args = parser.parse_args(argv)
 
+    from titan_kedro.data.batch_encoding import BatchEncoder
     from titan_kedro.data.packing import PackedSplit
     from titan_kedro.data.shard_store import ShardStore
     from titan_kedro.data.shard_tokenizing import tokenize_sources
@@ -132,19 +141,33 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         return sum(len(e.ids) for e in encodings)
 
     tokens = raw_batch(False)
-    print(f"documents: {len(docs)} ({origin}), {tokens:,} tokens, {os.cpu_count()} CPU cores")
-    results: dict[str, list[float]] = {"raw": [], "ours": [], "raw_threads": [], "ours_threads": []}
+    print(
+        f"documents: {len(docs)} ({origin}), {tokens:,} tokens, {os.cpu_count()} CPU cores, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    results: dict[str, list[tuple[float, float]]] = {
+        "raw": [],
+        "ours": [],
+        "raw_threads": [],
+        "ours_threads": [],
+    }
     for _ in range(args.repeats):
         results["raw"].append(timed(lambda: raw_batch(False)))
         results["ours"].append(timed(ours))
         if args.also_threads:
             results["raw_threads"].append(timed(lambda: raw_batch(True)))
             results["ours_threads"].append(timed(lambda: ours("threads")))
+    cpu: dict[str, float] = {}
 
     def report(label: str, key: str) -> float:
-        median = statistics.median(results[key])
-        runs_text = ", ".join(f"{v:,.0f}" for v in results[key])
-        print(f"{label}: {median:,.0f} tokens/s (median of {runs_text})")
+        walls = [wall for wall, _ in results[key]]
+        median = statistics.median(walls)
+        cpu[key] = statistics.median(c for _, c in results[key])
+        runs_text = ", ".join(f"{v:,.0f}" for v in walls)
+        print(
+            f"{label}: {median:,.0f} tokens/s (median of {runs_text}); "
+            f"{cpu[key]:,.0f} tokens per CPU second"
+        )
         return median
 
     raw_tps = report("raw tokenizers encode_batch, 1 thread (TOKENIZERS_PARALLELISM=false)", "raw")
@@ -160,7 +183,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "workers": args.workers,
         "baseline": "encode_batch, single thread (TOKENIZERS_PARALLELISM=false)",
         "tokens": tokens,
+        "cpu_ratio": round(cpu["ours"] / cpu["raw"], 3),
+        "loadavg_1min": round(os.getloadavg()[0], 2),
     }
+    if args.workers > 1:
+        start = time.perf_counter()
+        with BatchEncoder(tok, args.workers) as encoder:
+            list(encoder.map([["warm up"]] * args.workers))
+        summary["pool_start_stop_s"] = round(time.perf_counter() - start, 2)
+        print(
+            f"of which fixed cost per run: starting and stopping {args.workers} worker processes "
+            f"takes {summary['pool_start_stop_s']} s"
+        )
     if args.also_threads:
         threads = report("raw encode_batch on the Rust thread pool (all cores)", "raw_threads")
         ours_threads = report(
