@@ -63,8 +63,14 @@ def test_wrong_type_names_path_value_and_expectation() -> None:
 @pytest.mark.parametrize(
     ("raw", "fragment"),
     [
-        ({"launch": {"nproc_per_node": 2}, "parallelism": {"data_parallel_shard_degree": 3}}, "world size is 2"),
-        ({"launch": {"nproc_per_node": 4}, "parallelism": {"data_parallel_replicate_degree": 3}}, "does not divide"),
+        (
+            {"launch": {"nproc_per_node": 2}, "parallelism": {"data_parallel_shard_degree": 3}},
+            "world size is 2",
+        ),
+        (
+            {"launch": {"nproc_per_node": 4}, "parallelism": {"data_parallel_replicate_degree": 3}},
+            "does not divide",
+        ),
         ({"training": {"local_batch_size": 4, "global_batch_size": 6}}, "multiple of"),
         ({"model": {"custom_model_path": "a.py", "custom_import": "b"}}, "only one of"),
     ],
@@ -76,7 +82,10 @@ def test_impossible_layouts_fail_before_anything_runs(raw: dict, fragment: str) 
 
 def test_grad_accumulation_follows_global_batch() -> None:
     cfg = build_job_config(
-        {"launch": {"nproc_per_node": 2}, "training": {"local_batch_size": 2, "global_batch_size": 8}}
+        {
+            "launch": {"nproc_per_node": 2},
+            "training": {"local_batch_size": 2, "global_batch_size": 8},
+        }
     )
     assert cfg.grad_accum_steps == 2
     assert cfg.global_batch_size == 8
@@ -102,7 +111,9 @@ def test_base_fields_keep_their_defaults_under_extension() -> None:
 
 
 def test_unknown_keys_still_rejected_under_extension() -> None:
-    with pytest.raises(ConfigError, match=r"parallelism\.expert_parallel_degre.*expert_parallel_degree"):
+    with pytest.raises(
+        ConfigError, match=r"parallelism\.expert_parallel_degre.*expert_parallel_degree"
+    ):
         build_job_config({"parallelism": {"expert_parallel_degre": 4}}, EXT)
 
 
@@ -129,7 +140,14 @@ def test_without_extension_the_extension_key_is_unknown() -> None:
 # File + command line.
 def test_cli_overrides_parse_types_and_both_spellings() -> None:
     raw = parse_cli_overrides(
-        ["--training.steps", "20", "--optimizer.betas=[0.8, 0.9]", "--training.compile", "--job.name", "x"]
+        [
+            "--training.steps",
+            "20",
+            "--optimizer.betas=[0.8, 0.9]",
+            "--training.compile",
+            "--job.name",
+            "x",
+        ]
     )
     assert raw == {
         "training": {"steps": 20, "compile": True},
@@ -171,7 +189,9 @@ def test_bad_files_fail_clearly(tmp_path: Path) -> None:
 
 
 def test_dump_round_trips_through_the_loader(tmp_path: Path) -> None:
-    cfg = build_job_config({"training": {"steps": 5}, "parallelism": {"expert_parallel_degree": 1}}, EXT)
+    cfg = build_job_config(
+        {"training": {"steps": 5}, "parallelism": {"expert_parallel_degree": 1}}, EXT
+    )
     path = dump_job_config(cfg, tmp_path / "job.yaml")
     again = build_job_config(load_raw_config(path), EXT)
     assert again == cfg
