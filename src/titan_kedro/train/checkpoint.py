@@ -268,7 +268,14 @@ class CheckpointManager:
         """Restore every state from ``path`` (collective) and return its metadata."""
         meta = read_metadata(path)
         loaded: dict[str, Any] = {**self.states, "per_rank": ""}
-        dcp.load(loaded, checkpoint_id=str(path), planner=SafeLoadPlanner())
+        try:
+            dcp.load(loaded, checkpoint_id=str(path), planner=SafeLoadPlanner())
+        except Exception as err:
+            raise RuntimeError(
+                f"cannot resume from checkpoint {path}: it does not match this model and "
+                f"optimizer ({type(err).__name__}: {str(err)[:500]}). Point checkpoint.folder "
+                "at a fresh folder or set checkpoint.resume: never to start over"
+            ) from err
         if int(meta["world_size"]) == self.world_size:
             self.restore_per_rank(decode_state(json.loads(loaded["per_rank"])[self.rank]))
         else:

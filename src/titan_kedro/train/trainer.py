@@ -143,11 +143,13 @@ class Trainer:
             dp_rank=self.parallel_dims.dp_rank,
             dp_degree=self.parallel_dims.dp_degree,
             seed=cfg.job.seed,
+            name="train",
         )
         self._train_iter = iter(self.train_loader)
-        self.val_tokens = (
-            open_split(cfg.data.token_dir, "validation") if cfg.validation.freq else None
-        )
+        self.val_tokens = None
+        if cfg.validation.freq:
+            self.val_tokens = open_split(cfg.data.token_dir, "validation")
+            self._validation_loader()  # too few held-out tokens fail now, not mid-run
 
         self.state = TrainState()
         self.checkpointer = CheckpointManager(
@@ -259,25 +261,30 @@ class Trainer:
             metrics.update(expert_load_stats(load))
         return metrics
 
-    @torch.no_grad()
-    def validate(self) -> dict[str, float]:
-        """Mean loss over ``validation.steps`` held-out batches (the same batches every time)."""
+    def _validation_loader(self) -> Any:
         cfg = self.cfg
-        loader = self._token_loader_cls(
+        return self._token_loader_cls(
             self.val_tokens,
             seq_len=cfg.training.seq_len,
             local_batch_size=cfg.training.local_batch_size,
             dp_rank=self.parallel_dims.dp_rank,
             dp_degree=self.parallel_dims.dp_degree,
             seed=cfg.job.seed,
+            name="validation",
         )
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Mean loss over ``validation.steps`` held-out batches (the same batches every time)."""
+        cfg = self.cfg
+        loader = self._validation_loader()
         self.model.eval()
         total = torch.zeros((), device=self.device)
         batches = iter(loader)
         for _ in range(cfg.validation.steps):
             inputs, labels = next(batches)
-            logits = self.model(inputs.to(self.device))
-            total += self.loss_fn(logits, labels.to(self.device)).float()
+            outputs = self.model(inputs.to(self.device))  # logits, or hidden states (fused loss)
+            total += self.loss_fn(outputs, labels.to(self.device)).float()
         self.model.train()
         val_loss = float(self._dp_mean(total / cfg.validation.steps))
         return {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 80.0))}
