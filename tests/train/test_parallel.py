@@ -84,6 +84,7 @@ def _worker(rank: int, world: int, store_path: str, spec_path: str, errors: Any)
         tokens = torch.randint(0, 512, (2, 16))  # same batch on both ranks
         for m in (reference, model):
             (m(tokens).logsumexp(-1).mean() * 50).backward()
+        unclipped = {n: p.grad.clone() for n, p in reference.named_parameters()}
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
         norm = clip_grad_norm_(list(model.parameters()), 0.05)
         assert not isinstance(norm, DTensor)
@@ -91,6 +92,14 @@ def _worker(rank: int, world: int, store_path: str, spec_path: str, errors: Any)
         assert ref_norm > 0.05  # clipping really happened
         for (name, a), b in zip(reference.named_parameters(), model.parameters()):
             torch.testing.assert_close(b.grad.full_tensor(), a.grad, msg=name, rtol=1e-5, atol=1e-7)
+        # HSDP: two replicas of one shard each give the same gradients as one process.
+        hsdp_dims = ParallelDims(2, -1, 1, world)
+        hsdp_dims.build_mesh()
+        assert hsdp_dims.fsdp_mesh.ndim == 2
+        hsdp = parallelize_dense(copy.deepcopy(_tiny(spec)), hsdp_dims, make_config())
+        (hsdp(tokens).logsumexp(-1).mean() * 50).backward()
+        for (name, grad), b in zip(unclipped.items(), hsdp.parameters()):
+            torch.testing.assert_close(b.grad.full_tensor(), grad, msg=name, rtol=1e-5, atol=1e-7)
         # A rank-local non-finite gradient makes the global norm non-finite everywhere.
         first = next(model.parameters())
         if rank == 1:
