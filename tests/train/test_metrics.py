@@ -1,0 +1,57 @@
+"""Metric helpers: GPU peak table, expert-load statistics, console line, MLflow sink choice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_kedro.tracking.mlflow_logger import MlflowMetricsSink
+from titan_kedro.train.metrics import (
+    MetricsLogger,
+    expert_load_stats,
+    format_line,
+    gpu_peak_tflops,
+    measure_matmul_tflops,
+)
+
+
+def test_gpu_peak_table_matches_marketing_names() -> None:
+    assert gpu_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert gpu_peak_tflops("NVIDIA H200") == 989.0
+    assert gpu_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert gpu_peak_tflops("NVIDIA L40S") == 362.0  # not L4 or L40
+    assert gpu_peak_tflops("Some Future GPU") is None
+
+
+def test_expert_load_statistics() -> None:
+    load = torch.tensor([[4.0, 4.0, 4.0, 4.0], [12.0, 4.0, 0.0, 0.0]])
+    stats = expert_load_stats(load)
+    assert stats["moe_max_load_ratio"] == pytest.approx(3.0)  # 12 over a mean of 4
+    assert stats["moe_dead_expert_frac"] == pytest.approx(2 / 8)
+    assert stats["expert_load"] == [[0.25] * 4, [0.75, 0.25, 0.0, 0.0]]
+
+
+def test_console_line_and_jsonl_rows(tmp_path: Path) -> None:
+    line = format_line(3, 60, {"loss": 2.5, "tps": 1234.5, "mfu_pct": 12.345})
+    assert line.startswith("step  3/60") and "loss 2.5000" in line and "tps 1,234" in line
+    logger = MetricsLogger(tmp_path, 10, progress=False)
+    logger.log(1, {"loss": float("nan"), "tps": 5.0})
+    logger.close()
+    (row,) = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert row == {"step": 1, "loss": None, "tps": 5.0}
+    MetricsLogger(tmp_path, 10, progress=False).close()  # a fresh run starts the file over
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_mlflow_sink_needs_a_run_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    assert MlflowMetricsSink.from_env() is None
+    monkeypatch.setenv("MLFLOW_RUN_ID", "abc")
+    assert MlflowMetricsSink.from_env(enable=False) is None
+
+
+def test_matmul_rate_is_positive() -> None:
+    assert measure_matmul_tflops(torch.float32, "cpu", size=128, min_seconds=0.01) > 0
