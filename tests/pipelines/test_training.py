@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
 
 import mlflow
@@ -86,3 +88,22 @@ def test_failed_training_raises_with_the_worker_error(tmp_path: Path) -> None:
     message = str(err.value)
     assert "exited with code" in message
     assert "stderr.log" in message and "no token file" in message
+
+
+def test_launch_timeout_stops_a_silent_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from titan_kedro.config import build_job_config
+    from titan_kedro.train import launch
+
+    cfg = build_job_config({"launch": {"timeout_s": 1, "log_dir": str(tmp_path / "logs")}})
+    # Stand in for torchrun with a process that hangs without printing.
+    monkeypatch.setattr(
+        launch,
+        "torchrun_command",
+        lambda *_a, **_k: [sys.executable, "-c", "import time; time.sleep(60)"],
+    )
+    start = time.monotonic()
+    with pytest.raises(TrainingFailedError, match="timeout_s=1"):
+        launch.launch_training(cfg, tmp_path / "job.yaml")
+    assert time.monotonic() - start < 30

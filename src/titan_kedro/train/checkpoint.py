@@ -21,6 +21,7 @@ import logging
 import re
 import shutil
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,11 @@ def load_model_weights(path: str | Path, model: nn.Module) -> nn.Module:
     read_metadata(path)
     state = {"model": model.state_dict()}
     try:
-        dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner(), no_dist=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=".*assuming the intent is to load in a single"
+            )
+            dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner(), no_dist=True)
     except Exception as err:
         raise RuntimeError(
             f"cannot load model weights from '{path}' into {type(model).__name__}: {err}"

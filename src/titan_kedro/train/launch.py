@@ -14,7 +14,7 @@ import re
 import signal
 import subprocess
 import sys
-import time
+import threading
 from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
@@ -152,27 +152,35 @@ def launch_training(
     console.write("launching: " + " ".join(cmd) + "\n")
     console.flush()
     tail: deque[str] = deque(maxlen=400)
-    start = time.monotonic()
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, errors="replace", bufsize=1, start_new_session=True,
     )  # fmt: skip
-    timed_out = False
+    expired = threading.Event()
+
+    def _on_timeout() -> None:
+        expired.set()
+        _kill_group(proc)
+
+    # A timer, not a check between lines: a hung group prints nothing.
+    watchdog = threading.Timer(launch.timeout_s, _on_timeout) if launch.timeout_s else None
     assert proc.stdout is not None
     try:
+        if watchdog is not None:
+            watchdog.daemon = True
+            watchdog.start()
         for line in proc.stdout:
             console.write(line)
             console.flush()
             tail.append(line)
-            if launch.timeout_s and time.monotonic() - start > launch.timeout_s:
-                timed_out = True
-                break
-        if timed_out:
-            _kill_group(proc)
-        rc = proc.wait(timeout=None if not timed_out else 30)
+        rc = proc.wait()
     except BaseException:
         _kill_group(proc)
         raise
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+    timed_out = expired.is_set()
     if rc == 0 and not timed_out:
         return
     output = "".join(tail)
