@@ -58,11 +58,16 @@ def with_model(params: dict[str, Any], **model: Any) -> dict[str, Any]:
     return params
 
 
+# What the data pipeline writes for the DeepSeek-V2 tokenizer (only the field checked here).
+TOKEN_METADATA = {"vocab_size": 100_002}
+
+
 def run_pipeline(params: dict[str, Any], catalog_entry: dict[str, Any] | None = None) -> Any:
     catalog = DataCatalog.from_config({"model_spec": catalog_entry} if catalog_entry else {})
     if catalog_entry is None:
         catalog["model_spec"] = MemoryDataset()
     catalog["parameters"] = MemoryDataset(params)
+    catalog["token_metadata"] = MemoryDataset(TOKEN_METADATA)
     SequentialRunner().run(create_pipeline(), catalog)
     return catalog["model_spec"].load()
 
@@ -177,13 +182,22 @@ def test_bad_model_config_fails_in_the_node_with_a_clear_message(
 
 def test_bad_model_config_stops_the_pipeline_before_writing(test_params: dict[str, Any]) -> None:
     catalog = DataCatalog(
-        {"parameters": MemoryDataset(with_model(test_params, name="llama3", flavor="70B"))}
+        {
+            "parameters": MemoryDataset(with_model(test_params, name="llama3", flavor="70B")),
+            "token_metadata": MemoryDataset(TOKEN_METADATA),
+        }
     )
     catalog["model_spec"] = MemoryDataset()
     with pytest.raises(ConfigError, match="no flavor '70B'"):
         SequentialRunner().run(create_pipeline(), catalog)
     with pytest.raises(Exception, match="has not been saved yet"):
         catalog["model_spec"].load()
+
+
+def test_token_files_beyond_the_model_vocabulary_fail(test_params: dict[str, Any]) -> None:
+    params = with_model(test_params, name="llama3", overrides={"vocab_size": 1000})
+    with pytest.raises(ValueError, match="vocab_size 100002 but the model's vocab_size is 1000"):
+        build_model_spec(params, TOKEN_METADATA)
 
 
 def test_seq_len_beyond_the_model_limit_fails(test_params: dict[str, Any]) -> None:

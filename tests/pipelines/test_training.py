@@ -13,7 +13,8 @@ from mlflow.tracking import MlflowClient
 from train.helpers import tiny_job, write_token_dir
 
 from titan_kedro.pipelines.training import create_pipeline
-from titan_kedro.pipelines.training.nodes import check_token_vocab, train_model
+from titan_kedro.data.vocab import check_vocab_fits
+from titan_kedro.pipelines.training.nodes import train_model
 from titan_kedro.train.launch import TrainingFailedError, torchrun_command
 
 
@@ -45,9 +46,9 @@ def test_torchrun_command_single_and_multi_node() -> None:
 
 
 def test_vocab_mismatch_fails_before_launch() -> None:
-    check_token_vocab({"vocab_size": 100}, 512)
+    check_vocab_fits({"vocab_size": 100}, 512)
     with pytest.raises(ValueError, match=r"model\.overrides\.vocab_size"):
-        check_token_vocab({"vocab_size": 102400}, 512)
+        check_vocab_fits({"vocab_size": 102400}, 512)
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -9,6 +10,8 @@ from pydantic import ValidationError
 
 from titan_kedro.config.load import ConfigError, build_job_config, format_validation_error
 from titan_kedro.config.schema import JobConfig, ModelSection
+
+logger = logging.getLogger(__name__)
 
 
 class ResolvedJob(NamedTuple):
@@ -18,6 +21,37 @@ class ResolvedJob(NamedTuple):
     """The ``TrainSpec`` named by ``model.name``."""
     model_args: Any
     """The flavor's args with ``model.overrides`` applied."""
+
+
+def _drop_other_specs_extensions(raw: Mapping[str, Any], spec: Any) -> dict[str, Any]:
+    """Drop keys that only another registered spec's extension declares, with a warning.
+
+    An environment written for DeepSeek (``parallelism.expert_parallel_degree``) stays
+    usable with ``--params model.name=llama3``; keys no spec knows are still rejected.
+    """
+    from titan_kedro.models.registry import get_train_spec, list_train_specs
+
+    own = {(sec, name) for sec, ext in spec.extensions.items() for name in ext.model_fields}
+    others = {
+        (sec, name): other
+        for other in list_train_specs()
+        if other != spec.name
+        for sec, ext in get_train_spec(other).extensions.items()
+        for name in ext.model_fields
+    }
+    cleaned = dict(raw)
+    for (sec, name), other in others.items():
+        section = cleaned.get(sec)
+        if (sec, name) in own or not isinstance(section, Mapping) or name not in section:
+            continue
+        if name in JobConfig.model_fields[sec].annotation.model_fields:
+            continue
+        cleaned[sec] = {k: v for k, v in section.items() if k != name}
+        logger.warning(
+            "ignoring %s.%s: it is added by model '%s', and model '%s' does not use it",
+            sec, name, other, spec.name,
+        )  # fmt: skip
+    return cleaned
 
 
 def resolve_job_config(raw: Mapping[str, Any], *, source: str = "parameters") -> ResolvedJob:
@@ -45,6 +79,7 @@ def resolve_job_config(raw: Mapping[str, Any], *, source: str = "parameters") ->
     except (ValueError, ImportError, FileNotFoundError) as err:
         raise ConfigError(f"invalid job config ({source}): {err}") from err
 
+    raw = _drop_other_specs_extensions(raw, spec)
     cfg = build_job_config(raw, [spec.extensions], source=source)
     try:
         args = spec.resolve_args(cfg.model.flavor, cfg.model.overrides)

@@ -47,8 +47,11 @@ FLAVORS: dict[str, DeepSeekV2ModelArgs] = {
         n_routed_experts=8,
         n_shared_experts=2,
         num_experts_per_tok=2,
+        # DeepSeek-V2 balances with the expert-level aux loss. The V3-style routing bias is
+        # opt-in (model.overrides.load_balance_bias_update_speed): transformers'
+        # DeepseekV2 has no such bias, so a model trained with it cannot export faithfully.
         aux_loss_alpha=0.001,
-        load_balance_bias_update_speed=0.001,
+        load_balance_bias_update_speed=0.0,
     ),
     "v2-lite": DeepSeekV2ModelArgs(
         vocab_size=102400,

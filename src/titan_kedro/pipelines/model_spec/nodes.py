@@ -6,16 +6,21 @@ import logging
 from typing import Any
 
 from titan_kedro.config import resolve_job_config
+from titan_kedro.data.vocab import check_vocab_fits
 from titan_kedro.models.counting import model_card
 
 logger = logging.getLogger(__name__)
 
 
-def build_model_spec(parameters: dict[str, Any]) -> dict[str, Any]:
+def build_model_spec(
+    parameters: dict[str, Any], token_metadata: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Resolve the model named by the parameters and describe it.
 
     Args:
         parameters: Every Kedro parameter (the whole job config as nested sections).
+        token_metadata: ``metadata.json`` of the token files; the model's embedding must
+            hold the tokenizer's vocabulary. None skips that check.
 
     Returns:
         The model card (see ``titan_kedro.models.counting.model_card``).
@@ -23,8 +28,11 @@ def build_model_spec(parameters: dict[str, Any]) -> dict[str, Any]:
     Raises:
         ConfigError: Unknown spec, unknown flavor, invalid override or custom-model
             import failure, with what to fix.
+        ValueError: The token files hold ids beyond the model's embedding.
     """
     resolved = resolve_job_config(parameters, source="parameters")
+    if token_metadata is not None:
+        check_vocab_fits(token_metadata, int(resolved.model_args.vocab_size))
     card = model_card(resolved.spec, resolved.model_args, resolved.config)
     params = card["parameters"]
     logger.info(

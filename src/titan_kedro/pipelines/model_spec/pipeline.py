@@ -1,4 +1,4 @@
-"""``model_spec``: parameters → ``model_spec`` (the model card, ``data/06_models/model_spec.json``)."""
+"""``model_spec``: parameters + token metadata → ``model_spec`` (the model card, ``data/06_models/model_spec.json``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def create_pipeline(**kwargs: Any) -> Pipeline:
         [
             Node(
                 build_model_spec,
-                inputs="parameters",
+                inputs=["parameters", "token_metadata"],
                 outputs="model_spec",
                 name="build_model_spec",
                 tags=["model_spec"],

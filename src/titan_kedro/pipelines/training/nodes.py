@@ -4,27 +4,16 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from titan_kedro.config import dump_job_config, resolve_job_config
+from titan_kedro.data.vocab import check_vocab_fits
 from titan_kedro.train.launch import TrainingFailedError, launch_training
 
 logger = logging.getLogger(__name__)
 
 JOB_CONFIG_FILE = "job_config.yaml"
-
-
-def check_token_vocab(token_metadata: Mapping[str, Any], model_vocab_size: int) -> None:
-    """Fail before launching when the token files hold ids the model cannot embed."""
-    data_vocab = token_metadata.get("vocab_size")
-    if data_vocab is not None and int(data_vocab) > model_vocab_size:
-        raise ValueError(
-            f"the token files were made with a tokenizer of vocab_size {data_vocab} but the "
-            f"model's vocab_size is {model_vocab_size}; set model.overrides.vocab_size to at "
-            f"least {data_vocab} or re-tokenize with a matching tokenizer"
-        )
 
 
 def train_model(
@@ -49,7 +38,7 @@ def train_model(
     del model_spec
     resolved = resolve_job_config(parameters)
     cfg = resolved.config
-    check_token_vocab(token_metadata, int(resolved.model_args.vocab_size))
+    check_vocab_fits(token_metadata, int(resolved.model_args.vocab_size))
     dump = Path(cfg.job.dump_folder)
     config_path = dump_job_config(cfg, dump / JOB_CONFIG_FILE)
     summary_path = dump / "summary.json"
