@@ -24,10 +24,7 @@ Extensions = Mapping[str, type[BaseModel]]
 
 def _merge_section(section_name: str, base: type[Section], exts: list[type[BaseModel]]) -> type:
     clashes = {
-        name: ext.__name__
-        for ext in exts
-        for name in ext.model_fields
-        if name in base.model_fields
+        name: ext.__name__ for ext in exts for name in ext.model_fields if name in base.model_fields
     }
     if clashes:
         raise ValueError(

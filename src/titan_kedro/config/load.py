@@ -147,7 +147,9 @@ def parse_cli_overrides(argv: Sequence[str]) -> dict[str, Any]:
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--") or len(arg) == 2:
-            raise ConfigError(f"unexpected argument '{arg}': overrides look like --section.key value")
+            raise ConfigError(
+                f"unexpected argument '{arg}': overrides look like --section.key value"
+            )
         key = arg[2:]
         if "=" in key:
             key, text = key.split("=", 1)
