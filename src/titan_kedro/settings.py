@@ -1,10 +1,16 @@
 """Project settings. See https://docs.kedro.org/en/stable/kedro_project_setup/settings.html."""
 
+import warnings
+
 from kedro.config import OmegaConfigLoader
 from omegaconf.resolvers import oc
 
 from titan_kedro.hooks import ValidateJobConfigHook
 from titan_kedro.mlflow_hooks import MlflowRunTagsHook
+
+# Deprecation noise from Kedro's and kedro-mlflow's own resolver registration; nothing a
+# user of this project can act on.
+warnings.filterwarnings("ignore", message=r"register_new_resolver\(\) is deprecated")
 
 # kedro-mlflow registers its own hooks through its entry point.
 HOOKS = (ValidateJobConfigHook(), MlflowRunTagsHook())
