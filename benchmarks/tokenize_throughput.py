@@ -173,7 +173,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     raw_tps = report("raw tokenizers encode_batch, 1 thread (TOKENIZERS_PARALLELISM=false)", "raw")
     ours_tps = report(
         f"ours: read+clean+tokenize+hash+split+pack+write, {args.workers} worker(s)"
-        f"{' (spawned processes, 1 thread each)' if args.workers > 1 else ' (in-process, 1 thread)'}",
+        + (
+            f" (this process + {args.workers - 1} spawned helper(s), 1 thread each)"
+            if args.workers > 1
+            else " (in-process, 1 thread)"
+        ),
         "ours",
     )
     summary: dict[str, float | int | str] = {
@@ -192,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             list(encoder.map([["warm up"]] * args.workers))
         summary["pool_start_stop_s"] = round(time.perf_counter() - start, 2)
         print(
-            f"of which fixed cost per run: starting and stopping {args.workers} worker processes "
+            f"of which fixed cost per run: starting and stopping {args.workers - 1} helper process(es) "
             f"takes {summary['pool_start_stop_s']} s"
         )
     if args.also_threads:

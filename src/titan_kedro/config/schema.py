@@ -52,7 +52,7 @@ class DataSection(Section):
     min_chars: int = Field(1, ge=1)
     """Documents shorter than this (after stripping) are skipped as ``empty``."""
     num_workers: int = Field(0, ge=0)
-    """Tokenizer processes; 0 means one per CPU core."""
+    """Tokenizer lanes: this process plus ``num_workers - 1`` helper processes; 0 = one per core."""
     batch_size: int = Field(512, gt=0)
     """Documents per tokenizer batch."""
     max_documents: int | None = Field(None, gt=0)

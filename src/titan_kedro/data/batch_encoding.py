@@ -1,8 +1,10 @@
-"""Encode batches of documents into flat ``uint32`` arrays, in this process or in a pool.
+"""Encode batches of documents into flat ``uint32`` arrays on ``num_workers`` lanes.
 
-With ``num_workers == 1`` batches are encoded here on one thread; with more, a pool of
-``spawn``-ed processes (each single-threaded) encodes them while this process reads and
-writes. At most ``2 × workers`` batches are in flight, so memory does not grow with the
+Every lane is single-threaded. Lane one is this process, which also reads the documents
+and writes the results; the other ``num_workers - 1`` lanes are ``spawn``-ed helper
+processes. This process hands batches to the helpers while they have work queued and
+encodes the rest itself, so it is never idle, even while the helpers are still starting.
+At most ``4 × num_workers`` batches are in flight, so memory does not grow with the
 input. ``benchmarks/tokenize_throughput.py`` compares this with the multi-threaded Rust
 batch encoder (see ``benchmarks/RESULTS.md``).
 """
@@ -75,14 +77,18 @@ def single_threaded_tokenizers() -> Iterator[None]:
 
 
 class BatchEncoder:
-    """Encodes an iterable of text batches, in order, with ``num_workers`` parallel lanes.
+    """Encodes an iterable of text batches, in order, on ``num_workers`` single-threaded lanes.
 
     Args:
-        tokenizer: The tokenizer (pickled to the workers as its file location).
-        num_workers: Lanes; 0 = one per core, 1 = this process on one thread.
-        parallel: ``processes`` (default): a pool of single-threaded processes.
-            ``threads``: this process only, with the Rust thread pool of ``tokenizers``
-            (sized by ``RAYON_NUM_THREADS``, default all cores); kept for the benchmark.
+        tokenizer: The tokenizer (pickled to the helpers as its file location).
+        num_workers: Lanes, this process included; 0 = one per core.
+        parallel: ``processes`` (default): this process plus ``num_workers - 1`` helper
+            processes. ``threads``: this process only, with the Rust thread pool of
+            ``tokenizers`` (sized by ``RAYON_NUM_THREADS``, default all cores); kept for the
+            benchmark's comparison.
+
+    Scripts that use more than one process lane need the usual
+    ``if __name__ == "__main__":`` guard, since helpers are spawned.
     """
 
     def __init__(
@@ -94,9 +100,10 @@ class BatchEncoder:
         self.workers = resolve_workers(num_workers)
         self.parallel = parallel
         self._pool: ProcessPoolExecutor | None = None
-        if self.workers > 1 and parallel == "processes":
+        self._helpers = self.workers - 1 if parallel == "processes" else 0
+        if self._helpers:
             self._pool = ProcessPoolExecutor(
-                max_workers=self.workers,
+                max_workers=self._helpers,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_init_worker,
                 initargs=(tokenizer,),
@@ -104,22 +111,29 @@ class BatchEncoder:
 
     def map(self, batches: Iterable[list[str]]) -> Iterator[EncodedBatch]:
         """Encode each batch; results come back in input order."""
+        backend = self.tokenizer.backend
         if self._pool is None:
-            threads = self.workers > 1
+            threads = self.parallel == "threads" and self.workers > 1
             with contextlib.nullcontext() if threads else single_threaded_tokenizers():
                 for texts in batches:
-                    yield encode_texts(self.tokenizer.backend, texts)
+                    yield encode_texts(backend, texts)
             return
-        in_flight: collections.deque[Future[EncodedBatch]] = collections.deque()
-        for texts in batches:
-            in_flight.append(self._pool.submit(_encode_in_worker, texts))
-            if len(in_flight) >= 2 * self.workers:
-                yield in_flight.popleft().result()
-        while in_flight:
-            yield in_flight.popleft().result()
+        pending: collections.deque[Future[EncodedBatch] | EncodedBatch] = collections.deque()
+        queued_per_helper = 2
+        with single_threaded_tokenizers():
+            for texts in batches:
+                busy = sum(1 for p in pending if isinstance(p, Future) and not p.done())
+                if busy < queued_per_helper * self._helpers:
+                    pending.append(self._pool.submit(_encode_in_worker, texts))
+                else:
+                    pending.append(encode_texts(backend, texts))
+                while pending and (len(pending) > 4 * self.workers or _ready(pending[0])):
+                    yield _result(pending.popleft())
+            while pending:
+                yield _result(pending.popleft())
 
     def close(self) -> None:
-        """Stop the worker processes."""
+        """Stop the helper processes."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
@@ -134,6 +148,14 @@ class BatchEncoder:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _ready(item: Future[EncodedBatch] | EncodedBatch) -> bool:
+    return not isinstance(item, Future) or item.done()
+
+
+def _result(item: Future[EncodedBatch] | EncodedBatch) -> EncodedBatch:
+    return item.result() if isinstance(item, Future) else item
 
 
 def _init_worker(tokenizer: Tokenizer) -> None:

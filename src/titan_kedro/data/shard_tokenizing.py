@@ -45,7 +45,8 @@ def tokenize_sources(
         tokenizer: Encodes the documents; its fingerprint is part of each shard's key.
         store: The intermediate folder with its manifest.
         batch_size: Documents per encoder batch.
-        num_workers: Encoder processes (0: one per core; 1: in this process).
+        num_workers: Single-threaded encoder lanes: this process plus ``num_workers - 1``
+            helper processes (0: one lane per core).
         min_chars: Shorter texts are skipped as ``empty_text``.
         max_bad_fraction: Fail when a shard skips a larger share of its records.
         max_documents: Stop after this many documents in total (None: everything).
