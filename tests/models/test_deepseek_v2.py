@@ -390,8 +390,11 @@ def test_update_expert_bias_checks_the_shape() -> None:
 
 
 def test_debugmodel_trains() -> None:
-    # The debug flavor with a small vocabulary: the 102,400-row embeddings would dominate.
-    args = SPEC.resolve_args("debugmodel", {"vocab_size": 512})
+    # The debug flavor with a small vocabulary (the 102,400-row embeddings would dominate)
+    # and the opt-in aux-loss-free bias balancing switched on.
+    args = SPEC.resolve_args(
+        "debugmodel", {"vocab_size": 512, "load_balance_bias_update_speed": 0.001}
+    )
     torch.manual_seed(0)
     model = SPEC.build_model(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

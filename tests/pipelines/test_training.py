@@ -12,8 +12,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 from train.helpers import tiny_job, write_token_dir
 
-from titan_kedro.pipelines.training import create_pipeline
 from titan_kedro.data.vocab import check_vocab_fits
+from titan_kedro.pipelines.training import create_pipeline
 from titan_kedro.pipelines.training.nodes import train_model
 from titan_kedro.train.launch import TrainingFailedError, torchrun_command
 

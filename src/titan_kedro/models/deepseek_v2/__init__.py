@@ -50,7 +50,9 @@ FLAVORS: dict[str, DeepSeekV2ModelArgs] = {
         # DeepSeek-V2 balances with the expert-level aux loss. The V3-style routing bias is
         # opt-in (model.overrides.load_balance_bias_update_speed): transformers'
         # DeepseekV2 has no such bias, so a model trained with it cannot export faithfully.
-        aux_loss_alpha=0.001,
+        # Stronger than V2's 0.001-0.003: at a demo's high learning rate and few steps a
+        # weak balance loss lets routing collapse onto two experts per layer.
+        aux_loss_alpha=0.01,
         load_balance_bias_update_speed=0.0,
     ),
     "v2-lite": DeepSeekV2ModelArgs(
