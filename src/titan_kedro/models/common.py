@@ -16,6 +16,8 @@ Frequency scalings: Llama 3 (long wavelengths slowed down, smooth in between) an
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -227,3 +229,26 @@ def apply_rotary_emb_half(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Ten
     cos, sin = freqs.real, freqs.imag
     x1, x2 = xf[..., :half], xf[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+class RotaryTableModule(nn.Module):
+    """Base of a model that keeps its complex ``freqs_cis`` buffer through dtype casts.
+
+    ``model.to(torch.bfloat16)`` casts complex buffers to the real dtype, which drops the
+    rotations' imaginary part; ``_apply`` rebuilds the table as complex64 instead.
+    Subclasses implement ``_rotary_table()``.
+    """
+
+    freqs_cis: torch.Tensor
+
+    def _rotary_table(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Casting complex values to real")
+            result = super()._apply(fn, recurse)
+        if not self.freqs_cis.is_complex():
+            with torch.device(self.freqs_cis.device):
+                self.freqs_cis = self._rotary_table()
+        return result

@@ -23,14 +23,17 @@ RoPE pairs, float32 router, weights after the experts), so ``hf_adapter`` only r
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_kedro.models.common import FeedForward, RMSNorm, apply_rotary_emb, precompute_freqs_cis
+from titan_kedro.models.common import (
+    FeedForward,
+    RMSNorm,
+    RotaryTableModule,
+    apply_rotary_emb,
+    precompute_freqs_cis,
+)
 from titan_kedro.models.deepseek_v2.args import DeepSeekV2ModelArgs
 from titan_kedro.models.deepseek_v2.moe import MoE
 
@@ -132,7 +135,7 @@ class TransformerBlock(nn.Module):
             self.feed_forward.init_weights(self.weight_init_std)
 
 
-class DeepSeekV2Model(nn.Module):
+class DeepSeekV2Model(RotaryTableModule):
     """DeepSeek-V2 decoder: ``model(tokens [b, s]) -> logits [b, s, vocab]`` in float32."""
 
     def __init__(self, args: DeepSeekV2ModelArgs) -> None:
@@ -151,17 +154,6 @@ class DeepSeekV2Model(nn.Module):
     def _rotary_table(self) -> torch.Tensor:
         a = self.args
         return precompute_freqs_cis(a.qk_rope_head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
-        # ``model.to(torch.bfloat16)`` would cast the complex rotary table to a real dtype
-        # (dropping the rotations' imaginary part); rebuild it as complex64 instead.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Casting complex values to real")
-            result = super()._apply(fn, recurse)
-        if not self.freqs_cis.is_complex():
-            with torch.device(self.freqs_cis.device):
-                self.freqs_cis = self._rotary_table()
-        return result
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)

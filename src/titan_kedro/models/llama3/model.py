@@ -7,8 +7,6 @@ Hugging Face checkpoints load without permuting the q/k projection rows.
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +15,7 @@ from torch import nn
 from titan_kedro.models.common import (
     FeedForward,
     RMSNorm,
+    RotaryTableModule,
     apply_rotary_emb_half,
     precompute_freqs_cis,
 )
@@ -83,7 +82,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward.init_weights(self.weight_init_std)
 
 
-class Llama3Model(nn.Module):
+class Llama3Model(RotaryTableModule):
     """Llama 3 decoder: ``model(tokens[b, s]) -> logits[b, s, vocab]`` in float32.
 
     Args:
@@ -94,7 +93,7 @@ class Llama3Model(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.register_buffer("freqs_cis", self._precompute_freqs_cis(), persistent=False)
+        self.register_buffer("freqs_cis", self._rotary_table(), persistent=False)
         self.layers = nn.ModuleDict(
             {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
         )
@@ -102,26 +101,15 @@ class Llama3Model(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.init_weights()
 
-    def _precompute_freqs_cis(self) -> torch.Tensor:
+    def _rotary_table(self) -> torch.Tensor:
         return precompute_freqs_cis(
             self.args.head_size, self.args.max_seq_len, self.args.rope_theta, self.args.rope_scaling
         )
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
-        # ``model.to(torch.bfloat16)`` casts complex buffers to the real dtype, which drops
-        # the rotations' imaginary part; rebuild the table so it stays complex64.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Casting complex values to real")
-            result = super()._apply(fn, recurse)
-        if not self.freqs_cis.is_complex():
-            with torch.device(self.freqs_cis.device):
-                self.freqs_cis = self._precompute_freqs_cis()
-        return result
-
     def init_weights(self) -> None:
         """Re-initialise every parameter and the rotary buffer (after ``to_empty`` from meta)."""
         with torch.device(self.freqs_cis.device):
-            self.freqs_cis = self._precompute_freqs_cis()
+            self.freqs_cis = self._rotary_table()
         nn.init.normal_(self.tok_embeddings.weight)
         for block in self.layers.values():
             block.init_weights()
