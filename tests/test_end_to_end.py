@@ -152,6 +152,8 @@ def test_parameters_are_flattened_and_credentials_never_logged(e2e: E2ERun) -> N
     assert params["optimizer.lr"] == "0.003"
     assert params["parallelism.expert_parallel_degree"] == "2"  # conf/test: EP over 2 workers
     assert params["evaluation.max_new_tokens"] == "8"
+    # Nodes take params:<section> inputs, never the whole `parameters` (logged twice).
+    assert not [key for key in params if key.startswith("parameters.")]
     logged = [*params.values(), *e2e.run.data.tags.values()]
     logged += [e2e.artifact_text(p) for p in e2e.artifacts() if p.endswith((".json", ".yaml"))]
     assert not any(SECRET in text for text in logged)

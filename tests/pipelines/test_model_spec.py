@@ -16,9 +16,10 @@ from kedro.config import OmegaConfigLoader
 from kedro.io import DataCatalog, MemoryDataset
 from kedro.runner import SequentialRunner
 
-from titan_kedro.config import ConfigError, resolve_job_config
+from titan_kedro.config import ConfigError, JobConfig, resolve_job_config
 from titan_kedro.models import get_train_spec, list_train_specs
 from titan_kedro.models import registry as registry_module
+from titan_kedro.pipelines.job_params import JOB_PARAMS
 from titan_kedro.pipelines.model_spec import create_pipeline
 from titan_kedro.pipelines.model_spec.nodes import build_model_spec
 
@@ -62,14 +63,31 @@ def with_model(params: dict[str, Any], **model: Any) -> dict[str, Any]:
 TOKEN_METADATA = {"vocab_size": 100_002}
 
 
+def add_params(catalog: DataCatalog, params: dict[str, Any]) -> None:
+    """Each section as its ``params:<section>`` dataset, as a Kedro session provides them."""
+    for name, value in params.items():
+        catalog[f"params:{name}"] = MemoryDataset(value)
+
+
 def run_pipeline(params: dict[str, Any], catalog_entry: dict[str, Any] | None = None) -> Any:
     catalog = DataCatalog.from_config({"model_spec": catalog_entry} if catalog_entry else {})
     if catalog_entry is None:
         catalog["model_spec"] = MemoryDataset()
-    catalog["parameters"] = MemoryDataset(params)
+    add_params(catalog, params)
     catalog["token_metadata"] = MemoryDataset(TOKEN_METADATA)
     SequentialRunner().run(create_pipeline(), catalog)
     return catalog["model_spec"].load()
+
+
+def test_the_node_takes_every_job_config_section_and_no_parameters_input(
+    test_params: dict[str, Any],
+) -> None:
+    (node,) = create_pipeline().nodes
+    assert "parameters" not in node.inputs  # kedro-mlflow would log it as parameters.*
+    assert set(node.inputs) == {"token_metadata", *JOB_PARAMS.values()}
+    assert set(JOB_PARAMS) == set(JobConfig.model_fields)
+    # Every section is a parameter of the project, or its params: input would be missing.
+    assert set(JOB_PARAMS) <= set(test_params)
 
 
 def test_llama3_card_through_the_pipeline(test_params: dict[str, Any]) -> None:
@@ -113,11 +131,14 @@ def test_custom_example_end_to_end(test_params: dict[str, Any]) -> None:
     params = with_model(
         test_params, name="tiny_gpt", flavor="small", custom_model_path=str(EXAMPLE)
     )
-    card = run_pipeline(params)
+    smoothed = copy.deepcopy(params)
+    smoothed["training"]["label_smoothing"] = 0.1
+    card = run_pipeline(smoothed)
     assert card["spec"] == "tiny_gpt" and card["flavor"] == "small"
     assert card["custom_model"] == str(EXAMPLE)
     assert card["args"]["dim"] == 128 and card["args"]["n_layers"] == 4
-    assert card["extensions"] == {"training": {"label_smoothing": 0.0}}
+    # The extension's field reaches the node inside params:training.
+    assert card["extensions"] == {"training": {"label_smoothing": 0.1}}
     # Per block: two LayerNorms, qkv and proj (with biases), MLP 128→512→128 (with biases).
     block = (
         2 * 2 * 128 + (128 * 384 + 384) + (128 * 128 + 128) + (128 * 512 + 512) + (512 * 128 + 128)
@@ -128,8 +149,6 @@ def test_custom_example_end_to_end(test_params: dict[str, Any]) -> None:
     assert card["parameters"]["embedding"] == 102400 * 128
 
     # The example trains: a forward, its loss with the extension's label smoothing, a backward.
-    smoothed = copy.deepcopy(params)
-    smoothed["training"]["label_smoothing"] = 0.1
     resolved = resolve_job_config(smoothed)
     spec = resolved.spec
     torch.manual_seed(0)
@@ -177,16 +196,12 @@ def test_bad_model_config_fails_in_the_node_with_a_clear_message(
     test_params: dict[str, Any], model: dict[str, Any], message: str
 ) -> None:
     with pytest.raises(ConfigError, match=message):
-        build_model_spec(with_model(test_params, **model))
+        build_model_spec(**with_model(test_params, **model))
 
 
 def test_bad_model_config_stops_the_pipeline_before_writing(test_params: dict[str, Any]) -> None:
-    catalog = DataCatalog(
-        {
-            "parameters": MemoryDataset(with_model(test_params, name="llama3", flavor="70B")),
-            "token_metadata": MemoryDataset(TOKEN_METADATA),
-        }
-    )
+    catalog = DataCatalog({"token_metadata": MemoryDataset(TOKEN_METADATA)})
+    add_params(catalog, with_model(test_params, name="llama3", flavor="70B"))
     catalog["model_spec"] = MemoryDataset()
     with pytest.raises(ConfigError, match="no flavor '70B'"):
         SequentialRunner().run(create_pipeline(), catalog)
@@ -197,7 +212,7 @@ def test_bad_model_config_stops_the_pipeline_before_writing(test_params: dict[st
 def test_token_files_beyond_the_model_vocabulary_fail(test_params: dict[str, Any]) -> None:
     params = with_model(test_params, name="llama3", overrides={"vocab_size": 1000})
     with pytest.raises(ValueError, match="vocab_size 100002 but the model's vocab_size is 1000"):
-        build_model_spec(params, TOKEN_METADATA)
+        build_model_spec(TOKEN_METADATA, **params)
 
 
 def test_seq_len_beyond_the_model_limit_fails(test_params: dict[str, Any]) -> None:
@@ -205,4 +220,4 @@ def test_seq_len_beyond_the_model_limit_fails(test_params: dict[str, Any]) -> No
     with pytest.raises(
         ConfigError, match=r"training\.seq_len=64 exceeds the model's max_seq_len=32"
     ):
-        build_model_spec(params)
+        build_model_spec(**params)

@@ -13,6 +13,7 @@ from mlflow.tracking import MlflowClient
 from train.helpers import tiny_job, write_token_dir
 
 from titan_kedro.data.vocab import check_vocab_fits
+from titan_kedro.pipelines.job_params import JOB_PARAMS
 from titan_kedro.pipelines.training import create_pipeline
 from titan_kedro.pipelines.training.nodes import train_model
 from titan_kedro.train.launch import TrainingFailedError, torchrun_command
@@ -20,7 +21,7 @@ from titan_kedro.train.launch import TrainingFailedError, torchrun_command
 
 def test_pipeline_runs_after_data_and_model_spec() -> None:
     (node,) = create_pipeline().nodes
-    assert set(node.inputs) == {"parameters", "token_metadata", "model_spec"}
+    assert set(node.inputs) == {"token_metadata", "model_spec", *JOB_PARAMS.values()}
     assert node.outputs == ["training_summary"]
 
 
@@ -65,7 +66,7 @@ def test_node_trains_on_two_processes_into_the_active_mlflow_run(tmp_path: Path)
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     try:
         with mlflow.start_run() as run:
-            summary = train_model(params, {"vocab_size": 512}, {})
+            summary = train_model({"vocab_size": 512}, {}, **params)
     finally:
         mlflow.set_tracking_uri(None)
     assert summary["final_step"] == 4 and summary["tokens_seen"] == 4 * 2 * 2 * 32
@@ -85,7 +86,7 @@ def test_node_trains_on_two_processes_into_the_active_mlflow_run(tmp_path: Path)
 def test_failed_training_raises_with_the_worker_error(tmp_path: Path) -> None:
     params = tiny_job(tmp_path, tmp_path / "no_tokens_here", training={"steps": 2})
     with pytest.raises(TrainingFailedError) as err:
-        train_model(params, {}, {})
+        train_model({}, {}, **params)
     message = str(err.value)
     assert "exited with code" in message
     assert "stderr.log" in message and "no token file" in message

@@ -13,14 +13,15 @@ logger = logging.getLogger(__name__)
 
 
 def build_model_spec(
-    parameters: dict[str, Any], token_metadata: dict[str, Any] | None = None
+    token_metadata: dict[str, Any] | None = None, **sections: dict[str, Any]
 ) -> dict[str, Any]:
-    """Resolve the model named by the parameters and describe it.
+    """Resolve the model named by the job config and describe it.
 
     Args:
-        parameters: Every Kedro parameter (the whole job config as nested sections).
         token_metadata: ``metadata.json`` of the token files; the model's embedding must
             hold the tokenizer's vocabulary. None skips that check.
+        **sections: The job-config sections by name (``model``, ``training``, …; the
+            pipeline passes every one, see ``titan_kedro.pipelines.job_params``).
 
     Returns:
         The model card (see ``titan_kedro.models.counting.model_card``).
@@ -30,7 +31,7 @@ def build_model_spec(
             import failure, with what to fix.
         ValueError: The token files hold ids beyond the model's embedding.
     """
-    resolved = resolve_job_config(parameters, source="parameters")
+    resolved = resolve_job_config(sections, source="parameters")
     if token_metadata is not None:
         check_vocab_fits(token_metadata, int(resolved.model_args.vocab_size))
     card = model_card(resolved.spec, resolved.model_args, resolved.config)

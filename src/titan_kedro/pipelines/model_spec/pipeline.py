@@ -1,4 +1,4 @@
-"""``model_spec``: parameters + token metadata → ``model_spec`` (the model card, ``data/06_models/model_spec.json``)."""
+"""``model_spec``: job-config sections + token metadata → ``model_spec`` (the model card, ``data/06_models/model_spec.json``)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from typing import Any
 
 from kedro.pipeline import Node, Pipeline
 
+from titan_kedro.pipelines.job_params import JOB_PARAMS
 from titan_kedro.pipelines.model_spec.nodes import build_model_spec
 
 
@@ -15,7 +16,7 @@ def create_pipeline(**kwargs: Any) -> Pipeline:
         [
             Node(
                 build_model_spec,
-                inputs=["parameters", "token_metadata"],
+                inputs={"token_metadata": "token_metadata", **JOB_PARAMS},
                 outputs="model_spec",
                 name="build_model_spec",
                 tags=["model_spec"],

@@ -17,17 +17,18 @@ JOB_CONFIG_FILE = "job_config.yaml"
 
 
 def train_model(
-    parameters: dict[str, Any],
     token_metadata: dict[str, Any],
     model_spec: dict[str, Any],
+    **sections: dict[str, Any],
 ) -> dict[str, Any]:
     """Write the resolved job config, run torchrun, and return the workers' summary.
 
     Args:
-        parameters: All Kedro parameters (the job config sections).
         token_metadata: ``metadata.json`` of the token files (orders this node after
             ``data_processing``; its ``vocab_size`` is checked against the model).
         model_spec: The model card (orders this node after ``model_spec``).
+        **sections: The job-config sections by name (``model``, ``training``, …; the
+            pipeline passes every one, see ``titan_kedro.pipelines.job_params``).
 
     Returns:
         ``checkpoint_dir, final_step, final_loss, tokens_seen, wall_time_s``.
@@ -36,7 +37,7 @@ def train_model(
         TrainingFailedError: A worker failed; the message holds its log tail.
     """
     del model_spec
-    resolved = resolve_job_config(parameters)
+    resolved = resolve_job_config(sections)
     cfg = resolved.config
     check_vocab_fits(token_metadata, int(resolved.model_args.vocab_size))
     dump = Path(cfg.job.dump_folder)

@@ -1,4 +1,4 @@
-"""``training``: parameters (+ token metadata, model card) → ``training_summary``."""
+"""``training``: job-config sections (+ token metadata, model card) → ``training_summary``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from typing import Any
 
 from kedro.pipeline import Node, Pipeline
 
+from titan_kedro.pipelines.job_params import JOB_PARAMS
 from titan_kedro.pipelines.training.nodes import train_model
 
 
@@ -15,7 +16,11 @@ def create_pipeline(**kwargs: Any) -> Pipeline:
         [
             Node(
                 train_model,
-                inputs=["parameters", "token_metadata", "model_spec"],
+                inputs={
+                    "token_metadata": "token_metadata",
+                    "model_spec": "model_spec",
+                    **JOB_PARAMS,
+                },
                 outputs="training_summary",
                 name="train_model",
                 tags=["training"],
