@@ -20,7 +20,7 @@ from titan_kedro.data.tokenizer import build_tokenizer
 from titan_kedro.models import get_train_spec
 from titan_kedro.models.generate import generate
 from titan_kedro.pipelines.evaluation import create_pipeline
-from titan_kedro.train import evaluate
+from titan_kedro.train import evaluate, validation
 from titan_kedro.train.trainer import build_model
 
 TINY_LLAMA = {
@@ -80,11 +80,11 @@ def test_mean_loss_is_the_mean_cross_entropy_and_restores_mode(tiny_model: torch
     with torch.no_grad():
         expected = np.mean([float(loss_fn(tiny_model(x), y)) for x, y in batches[:2]])
     tiny_model.train()
-    loss, tokens = evaluate.mean_loss(tiny_model, iter(batches), loss_fn, n_batches=2)
+    loss, tokens = validation.mean_loss(tiny_model, iter(batches), loss_fn, n_batches=2)
     assert loss == pytest.approx(expected, rel=1e-6)
     assert tokens == 32 and tiny_model.training
     with pytest.raises(ValueError, match="validation split is shorter than one batch"):
-        evaluate.mean_loss(tiny_model, iter([]), loss_fn, n_batches=2)
+        validation.mean_loss(tiny_model, iter([]), loss_fn, n_batches=2)
 
 
 def test_prompts_come_from_document_starts_and_skip_short_documents() -> None:
@@ -158,7 +158,7 @@ def test_evaluation_pipeline_on_a_checkpoint(tmp_path: Path) -> None:
     from titan_kedro.data.loader import TokenLoader
 
     loader = TokenLoader(stream, seq_len=32, local_batch_size=2, dp_rank=0, dp_degree=1, seed=3)
-    expected, _ = evaluate.mean_loss(trained, iter(loader), spec.build_loss_fn(None), n_batches=2)
+    expected, _ = validation.mean_loss(trained, iter(loader), spec.build_loss_fn(None), n_batches=2)
     assert results["val_loss"] == pytest.approx(expected, rel=1e-5)
     assert results["val_perplexity"] == pytest.approx(math.exp(expected), rel=1e-5)
     assert results["step"] == 4 and results["tokens_evaluated"] == 2 * 2 * 32

@@ -3,7 +3,8 @@
 Two 2-process launches check the pieces against single-process references (token
 routing, per-parameter gradients with and without EP, the clipped global norm, expert
 loads and the bias update); three trainer runs check that EP=2, EP=1 and one process
-with gradient accumulation train to the same losses and gradient norms.
+with gradient accumulation train to the same losses and gradient norms, and validate
+to the loss one process computes from the saved weights.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from titan_kedro.config import resolve_job_config
+from titan_kedro.data.loader import TokenLoader
+from titan_kedro.data.token_store import open_split
+from titan_kedro.train.evaluate import load_checkpoint_model
+from titan_kedro.train.validation import mean_loss
 from train.conftest import make_config
 from train.helpers import read_metrics, run_worker, tiny_job, write_token_dir
 
@@ -174,17 +180,23 @@ def test_ep_dispatch_gradients_norm_and_load_match_single_process(tmp_path: Path
         assert not messages, "\n".join(messages)
 
 
-def _run(
-    tmp_path: Path, token_dir: Path, name: str, *, nproc: int, ep: int
-) -> list[dict[str, Any]]:
-    raw = tiny_job(
+def _job(tmp_path: Path, token_dir: Path, name: str, *, nproc: int, ep: int) -> dict[str, Any]:
+    return tiny_job(
         tmp_path / name,
         token_dir,
         model={"name": "deepseek_v2", "custom_model_path": None, "overrides": TINY_DEEPSEEK},
         training={"steps": 5, "global_batch_size": 4, "max_norm": 0.5},
         parallelism={"expert_parallel_degree": ep},
-        checkpoint={"enable": False},
+        # Validation at the last step over the same 8 held-out windows on 1 or 2 ranks.
+        validation={"freq": 5, "steps": 4 // nproc},
+        checkpoint={"enable": name == "ep2", "interval": 5},
     )
+
+
+def _run(
+    tmp_path: Path, token_dir: Path, name: str, *, nproc: int, ep: int
+) -> list[dict[str, Any]]:
+    raw = _job(tmp_path, token_dir, name, nproc=nproc, ep=ep)
     run_worker(raw, nproc=nproc)
     return read_metrics(raw["job"]["dump_folder"])
 
@@ -209,3 +221,22 @@ def test_ep2_ep1_and_grad_accumulation_train_alike(tmp_path: Path) -> None:
             assert load == pytest.approx(reference_load, abs=1e-6), (name, ours["step"])
     assert any(row["grad_norm"] > 0.5 for row in reference)  # clipping took part
     assert reference[-1]["loss"] < reference[0]["loss"]
+
+    # Each EP rank validates its own share; the logged mean is the one-process mean_loss
+    # of the saved weights over all of those batches.
+    raw = _job(tmp_path, token_dir, "accum", nproc=1, ep=1)  # the model, in one process
+    resolved = resolve_job_config(raw)
+    model = load_checkpoint_model(resolved, tmp_path / "ep2" / "ckpt" / "step-5").model
+    loader = TokenLoader(
+        open_split(token_dir, "validation"),
+        seq_len=32,
+        local_batch_size=2,
+        dp_rank=0,
+        dp_degree=1,
+        seed=raw["job"]["seed"],
+    )
+    expected, _ = mean_loss(
+        model, loader, resolved.spec.build_loss_fn(resolved.config), n_batches=4
+    )
+    for name, rows in runs.items():
+        assert rows[-1]["val_loss"] == pytest.approx(expected, rel=1e-4), name

@@ -10,8 +10,11 @@ import pytest
 import torch
 
 from titan_kedro.config import resolve_job_config
+from titan_kedro.data.loader import TokenLoader
+from titan_kedro.data.token_store import open_split
 from titan_kedro.train.checkpoint import latest_checkpoint, list_checkpoints, load_model_weights
 from titan_kedro.train.trainer import NonFiniteLossError, Trainer
+from titan_kedro.train.validation import mean_loss
 from train.helpers import read_metrics, tiny_job, write_token_dir
 
 
@@ -89,6 +92,7 @@ def test_metrics_validation_moe_hooks_and_weights(tmp_path: Path, token_dir: Pat
     )
     trainer = _trainer(raw)
     try:
+        assert trainer.fused_loss  # the trainer's model returns hidden states
         bias_before = trainer.model.expert_bias.clone()
         trainer.train()
         bias_changed = not torch.equal(trainer.model.expert_bias, bias_before)
@@ -134,3 +138,18 @@ def test_metrics_validation_moe_hooks_and_weights(tmp_path: Path, token_dir: Pat
     load_model_weights(only[1], plain)
     for name, tensor in reference.items():
         torch.testing.assert_close(plain.state_dict()[name], tensor, msg=name)
+    # The logged val_loss is what evaluation's mean_loss gives the final weights on the
+    # same held-out batches, through plain logits and the unfused loss.
+    loader = TokenLoader(
+        open_split(token_dir, "validation"),
+        seq_len=32,
+        local_batch_size=2,
+        dp_rank=0,
+        dp_degree=1,
+        seed=raw["job"]["seed"],
+    )
+    expected, tokens = mean_loss(
+        plain, loader, spec.build_loss_fn(resolve_job_config(raw).config), n_batches=2
+    )
+    assert tokens == 2 * 2 * 32
+    assert rows[-1]["val_loss"] == pytest.approx(expected, rel=1e-5)

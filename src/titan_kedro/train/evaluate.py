@@ -1,4 +1,7 @@
-"""Single-process evaluation of a checkpoint: held-out loss and sample generations.
+"""Single-process evaluation of a checkpoint: loading it and sample generations.
+
+Its held-out loss comes from ``titan_kedro.train.validation.mean_loss``, the function
+the trainer validates with.
 
 Used by the evaluation stage after training; runs in the Kedro process, without a
 process group.
@@ -6,8 +9,7 @@ process group.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -22,51 +24,6 @@ from titan_kedro.train.device import resolve_device
 from titan_kedro.train.trainer import build_model
 
 _PROMPT_SCAN_TOKENS = 4_000_000
-
-
-def perplexity(loss: float) -> float:
-    """``exp(loss)``, capped so a diverged model gives a huge number rather than inf."""
-    return math.exp(min(loss, 80.0))
-
-
-@torch.no_grad()
-def mean_loss(
-    model: nn.Module,
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    *,
-    n_batches: int,
-) -> tuple[float, int]:
-    """Mean of ``loss_fn`` over the first ``n_batches`` ``(inputs, labels)`` batches.
-
-    The model runs in eval mode and is put back in its previous mode afterwards.
-
-    Returns:
-        ``(mean loss, tokens scored)``; fewer batches are used when ``batches`` runs out.
-
-    Raises:
-        ValueError: ``batches`` yields nothing.
-    """
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    total, count, tokens = 0.0, 0, 0
-    try:
-        for inputs, labels in batches:
-            if count == n_batches:
-                break
-            logits = model(inputs.to(device))
-            total += float(loss_fn(logits, labels.to(device)))
-            tokens += labels.numel()
-            count += 1
-    finally:
-        model.train(was_training)
-    if count == 0:
-        raise ValueError(
-            "no evaluation batch: the validation split is shorter than one batch; raise "
-            "data.validation_fraction or lower training.seq_len / training.local_batch_size"
-        )
-    return total / count, tokens
 
 
 def resolve_checkpoint(training_summary: dict[str, Any], checkpoint_folder: str | Path) -> Path:

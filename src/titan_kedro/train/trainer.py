@@ -43,6 +43,7 @@ from titan_kedro.train.metrics import (
     peak_tflops,
 )
 from titan_kedro.train.parallel_dims import ParallelDims
+from titan_kedro.train.validation import mean_loss, perplexity
 
 logger = logging.getLogger(__name__)
 
@@ -273,21 +274,20 @@ class Trainer:
             name="validation",
         )
 
-    @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """Mean loss over ``validation.steps`` held-out batches (the same batches every time)."""
-        cfg = self.cfg
-        loader = self._validation_loader()
-        self.model.eval()
-        total = torch.zeros((), device=self.device)
-        batches = iter(loader)
-        for _ in range(cfg.validation.steps):
-            inputs, labels = next(batches)
-            outputs = self.model(inputs.to(self.device))  # logits, or hidden states (fused loss)
-            total += self.loss_fn(outputs, labels.to(self.device)).float()
-        self.model.train()
-        val_loss = float(self._dp_mean(total / cfg.validation.steps))
-        return {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 80.0))}
+        """Mean loss over ``validation.steps`` held-out batches (the same batches every time).
+
+        Every rank scores its share of the batches; the mean is over all of them.
+        """
+        val_loss, _ = mean_loss(
+            self.model,
+            self._validation_loader(),
+            self.loss_fn,  # takes the model's hidden states under the fused loss
+            n_batches=self.cfg.validation.steps,
+            device=self.device,
+            group=self.dp_group,
+        )
+        return {"val_loss": val_loss, "val_perplexity": perplexity(val_loss)}
 
     def train(self, stop_at: int | None = None) -> dict[str, Any]:
         """Train up to ``training.steps``; returns the summary (also written by rank 0).

@@ -1,4 +1,4 @@
-"""Evaluation nodes: thin wrappers over ``titan_kedro.train.evaluate``."""
+"""Evaluation nodes: thin wrappers over ``titan_kedro.train.evaluate`` and ``.validation``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 from titan_kedro.config import resolve_job_config
 from titan_kedro.data.loader import TokenLoader
 from titan_kedro.data.tokenizer import build_tokenizer
-from titan_kedro.train import evaluate
+from titan_kedro.train import evaluate, validation
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +60,13 @@ def compute_validation_loss(
         name="validation",
     )
     loss_fn = final_model.resolved.spec.build_loss_fn(cfg)
-    val_loss, tokens = evaluate.mean_loss(
+    val_loss, tokens = validation.mean_loss(
         final_model.model,
         iter(loader),
         loss_fn,
         n_batches=min(evaluation["batches"], loader.batches_per_epoch),
     )
-    val_perplexity = evaluate.perplexity(val_loss)
+    val_perplexity = validation.perplexity(val_loss)
     logger.info("val_loss %.4f (perplexity %.1f) over %d tokens", val_loss, val_perplexity, tokens)
     results = {
         "model": f"{cfg.model.name}/{cfg.model.flavor}",
