@@ -170,9 +170,9 @@ def test_export_node_flags_a_nonzero_expert_bias_that_transformers_cannot_expres
     tmp_path: Path, tokenizer: Any
 ) -> None:
     spec = get_train_spec("deepseek_v2")
-    model = build_model(
-        spec, spec.resolve_args("debugmodel", TINY_DSV2), 5, torch.device("cpu")
-    ).eval()
+    # The routing bias is opt-in (aux-loss-free balancing); only then does it steer routing.
+    args = spec.resolve_args("debugmodel", {**TINY_DSV2, "load_balance_bias_update_speed": 0.001})
+    model = build_model(spec, args, 5, torch.device("cpu")).eval()
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if name.endswith("expert_bias"):
