@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from kedro.config import OmegaConfigLoader
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_SAMPLE = REPO.parent / "shared" / "data" / "c4" / "c4-train.00000-of-01024.head900.json.gz"
@@ -51,6 +52,13 @@ def c4_documents(n_docs: int = 200) -> list[str]:
         " ".join(" ".join(rng.choices(_WORDS, k=12)).capitalize() + "." for _ in range(6))
         for _ in range(n_docs)
     ]
+
+
+def project_parameters(env: str) -> dict:
+    """The project's parameters as ``kedro run --env <env>`` layers them (settings.py's loader)."""
+    from titan_kedro.settings import CONFIG_LOADER_ARGS
+
+    return OmegaConfigLoader(str(REPO / "conf"), env=env, **CONFIG_LOADER_ARGS)["parameters"]
 
 
 @pytest.fixture

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import tokenizers
 import yaml
-from conftest import write_c4_shard
-from kedro.config import OmegaConfigLoader
+from conftest import project_parameters, write_c4_shard
 from kedro.io import DataCatalog, MemoryDataset
 from kedro.runner import SequentialRunner
 
@@ -33,13 +32,7 @@ LAYERS = {"raw", "intermediate", "primary", "model_input"}
 @pytest.fixture(scope="module")
 def test_params() -> dict[str, Any]:
     """The project's parameters as ``kedro run --env test`` sees them."""
-    loader = OmegaConfigLoader(
-        str(REPO / "conf"),
-        base_env="base",
-        default_run_env="test",
-        merge_strategy={"parameters": "soft"},
-    )
-    return loader["parameters"]
+    return project_parameters("test")
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from kedro.config import OmegaConfigLoader
+from conftest import project_parameters
 from kedro.io import DataCatalog, MemoryDataset
 from kedro.runner import SequentialRunner
 
@@ -44,13 +44,7 @@ def _restore_registry() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def test_params() -> dict[str, Any]:
     """The project's parameters as ``kedro run --env test`` sees them."""
-    loader = OmegaConfigLoader(
-        str(REPO / "conf"),
-        base_env="base",
-        default_run_env="test",
-        merge_strategy={"parameters": "soft"},
-    )
-    return loader["parameters"]
+    return project_parameters("test")
 
 
 def with_model(params: dict[str, Any], **model: Any) -> dict[str, Any]:
