@@ -1,14 +1,19 @@
-"""Multi-process training through torchrun: FSDP equivalence and restart after a killed worker."""
+"""Multi-process training through torchrun: FSDP equivalence, two-node rendezvous, restart."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from titan_kedro.config import dump_job_config, resolve_job_config
 from titan_kedro.train.faults import CRASH_RANK_ENV, CRASH_STEP_ENV
-from train.helpers import read_metrics, run_worker, step_losses, tiny_job, write_token_dir
+from titan_kedro.train.launch import torchrun_command
+from train.helpers import REPO, read_metrics, run_worker, step_losses, tiny_job, write_token_dir
 
 pytestmark = pytest.mark.slow
 
@@ -56,3 +61,43 @@ def test_killed_worker_is_restarted_and_resumes_from_checkpoint(runs: dict[str, 
     resumed = step_losses(job["job"]["dump_folder"])
     for step in range(1, 7):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-6), step
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_nodes_rendezvous_and_train_like_one_node(runs: dict[str, Path]) -> None:
+    """Two torchrun agents ("nodes" of one process each) meet at a c10d rendezvous."""
+    root = runs["root"] / "two_nodes"
+    endpoint = f"127.0.0.1:{_free_port()}"
+    job = tiny_job(
+        root,
+        runs["tokens"],
+        **JOB,
+        launch={"nnodes": 2, "nproc_per_node": 1, "rdzv_endpoint": endpoint, "rdzv_id": "t2n"},
+    )
+    config = dump_job_config(resolve_job_config(job).config, root / "job_config.yaml")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MLFLOW_RUN_ID", None)
+    agents = []
+    for node_rank in (0, 1):
+        launch = resolve_job_config(
+            {**job, "launch": {**job["launch"], "node_rank": node_rank}}
+        ).config.launch
+        cmd = torchrun_command(launch, config)
+        assert f"--rdzv-endpoint={endpoint}" in cmd and "--standalone" not in cmd
+        agents.append(
+            subprocess.Popen(
+                cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    outputs = [agent.communicate(timeout=240)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    two_nodes = step_losses(root / "job")
+    reference = step_losses(runs["fsdp"] / "job")
+    assert sorted(two_nodes) == sorted(reference)
+    for step, loss in reference.items():
+        assert two_nodes[step] == pytest.approx(loss, rel=1e-4), step
