@@ -62,3 +62,29 @@ def test_constraints_pin_torch_and_mlflow_exactly() -> None:
     )
     assert pins["torch"] == "2.13.0"
     assert pins["mlflow"].startswith("3.17.")
+
+
+def test_metrics_file_follows_the_trainer_dump_folder(tmp_path: Path) -> None:
+    """Reporting reads metrics.jsonl where the trainer writes it: --params and env globals."""
+    import shutil
+
+    from kedro.config import OmegaConfigLoader
+
+    from titan_kedro.settings import CONFIG_LOADER_ARGS
+
+    conf = tmp_path / "conf"
+    shutil.copytree(REPO / "conf", conf, ignore=shutil.ignore_patterns("local"))
+    (conf / "moved").mkdir()
+    (conf / "moved" / "globals.yml").write_text("job_dump_folder: elsewhere/job\n")
+
+    def paths(env: str, runtime: dict | None = None) -> tuple[str, str]:
+        loader = OmegaConfigLoader(str(conf), env=env, runtime_params=runtime, **CONFIG_LOADER_ARGS)
+        return (
+            loader["parameters"]["job"]["dump_folder"],
+            loader["catalog"]["training_metrics_jsonl"]["filepath"],
+        )
+
+    assert paths("test") == ("data/07_model_output/job", "data/07_model_output/job/metrics.jsonl")
+    assert paths("moved") == ("elsewhere/job", "elsewhere/job/metrics.jsonl")
+    runtime = {"job": {"dump_folder": "cli/job"}}
+    assert paths("moved", runtime) == ("cli/job", "cli/job/metrics.jsonl")
