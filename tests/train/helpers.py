@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,3 +122,59 @@ def read_metrics(dump_folder: str | Path) -> list[dict[str, Any]]:
 def step_losses(dump_folder: str | Path) -> dict[int, float]:
     """``{step: loss}`` from ``metrics.jsonl`` (a resumed run appends; later rows win)."""
     return {row["step"]: row["loss"] for row in read_metrics(dump_folder) if "loss" in row}
+
+
+def _rank_entry(
+    rank: int, world: int, store_path: str, call: tuple[Callable[..., None], tuple], errors: Any
+) -> None:
+    import traceback
+
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world
+        )
+        check, args = call
+        check(rank, world, *args)
+        dist.destroy_process_group()
+    except BaseException as err:  # report to the parent, which fails the test
+        errors.put(f"rank {rank}: {err!r}\n{traceback.format_exc()}")
+        raise
+
+
+def run_ranks(check: Callable[..., None], *args: Any, store: Path, world: int = 2) -> None:
+    """Run ``check(rank, world, *args)`` in ``world`` spawned gloo processes; fail on any error.
+
+    ``check`` must be a module-level function (it is pickled into the children).
+    """
+    import torch.multiprocessing as mp
+
+    errors = mp.get_context("spawn").SimpleQueue()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    procs = mp.spawn(
+        _rank_entry, args=(world, str(store), (check, args), errors), nprocs=world, join=False
+    )
+    try:
+        while not procs.join(timeout=120):
+            pass
+    finally:
+        messages = []
+        while not errors.empty():
+            messages.append(errors.get())
+        assert not messages, "\n".join(messages)
+
+
+def validation_loader(token_dir: Path, *, seq_len: int, local_batch_size: int, seed: int) -> Any:
+    """A one-rank ``TokenLoader`` over ``validation.bin`` (what evaluation reads)."""
+    from titan_kedro.data.loader import TokenLoader
+    from titan_kedro.data.token_store import open_split
+
+    return TokenLoader(
+        open_split(token_dir, "validation"),
+        seq_len=seq_len,
+        local_batch_size=local_batch_size,
+        dp_rank=0,
+        dp_degree=1,
+        seed=seed,
+    )

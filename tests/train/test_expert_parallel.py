@@ -10,25 +10,28 @@ to the loss one process computes from the saved weights.
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from titan_kedro.config import resolve_job_config
-from titan_kedro.data.loader import TokenLoader
-from titan_kedro.data.token_store import open_split
 from titan_kedro.train.evaluate import load_checkpoint_model
 from titan_kedro.train.validation import mean_loss
 from train.conftest import make_config
-from train.helpers import read_metrics, run_worker, tiny_job, write_token_dir
+from train.helpers import (
+    read_metrics,
+    run_ranks,
+    run_worker,
+    tiny_job,
+    validation_loader,
+    write_token_dir,
+)
 
 TINY_DEEPSEEK = {
     "vocab_size": 512,
@@ -149,35 +152,15 @@ def _check_training_step(rank: int, world: int, ep: int, replicate: int = 1) -> 
         assert ours.expert_bias.abs().sum() > 0
 
 
-def _worker(rank: int, world: int, store_path: str, errors: Any) -> None:
-    try:
-        dist.init_process_group(
-            "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world
-        )
-        _check_dispatch_and_combine(rank)
-        _check_training_step(rank, world, ep=2)
-        _check_training_step(rank, world, ep=1)
-        dist.destroy_process_group()
-    except BaseException as err:  # report to the parent, which fails the test
-        import traceback
-
-        errors.put(f"rank {rank}: {err!r}\n{traceback.format_exc()}")
-        raise
+def _checks(rank: int, world: int) -> None:
+    _check_dispatch_and_combine(rank)
+    _check_training_step(rank, world, ep=2)
+    _check_training_step(rank, world, ep=1)
 
 
 @pytest.mark.slow
 def test_ep_dispatch_gradients_norm_and_load_match_single_process(tmp_path: Path) -> None:
-    errors = mp.get_context("spawn").SimpleQueue()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    procs = mp.spawn(_worker, args=(2, str(tmp_path / "store"), errors), nprocs=2, join=False)
-    try:
-        while not procs.join(timeout=120):
-            pass
-    finally:
-        messages = []
-        while not errors.empty():
-            messages.append(errors.get())
-        assert not messages, "\n".join(messages)
+    run_ranks(_checks, store=tmp_path / "store")
 
 
 def _job(tmp_path: Path, token_dir: Path, name: str, *, nproc: int, ep: int) -> dict[str, Any]:
@@ -227,14 +210,7 @@ def test_ep2_ep1_and_grad_accumulation_train_alike(tmp_path: Path) -> None:
     raw = _job(tmp_path, token_dir, "accum", nproc=1, ep=1)  # the model, in one process
     resolved = resolve_job_config(raw)
     model = load_checkpoint_model(resolved, tmp_path / "ep2" / "ckpt" / "step-5").model
-    loader = TokenLoader(
-        open_split(token_dir, "validation"),
-        seq_len=32,
-        local_batch_size=2,
-        dp_rank=0,
-        dp_degree=1,
-        seed=raw["job"]["seed"],
-    )
+    loader = validation_loader(token_dir, seq_len=32, local_batch_size=2, seed=raw["job"]["seed"])
     expected, _ = mean_loss(
         model, loader, resolved.spec.build_loss_fn(resolved.config), n_batches=4
     )

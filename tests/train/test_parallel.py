@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from titan_kedro.models.parallel import apply_ac, apply_fsdp, parallelize_dense
@@ -56,81 +54,59 @@ def test_activation_checkpointing_keeps_names_and_gradients(tiny_spec: Any, mode
         torch.testing.assert_close(a.grad, b.grad, msg=name)
 
 
-def _worker(rank: int, world: int, store_path: str, spec_path: str, errors: Any) -> None:
-    try:
-        dist.init_process_group(
-            "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world
-        )
-        from titan_kedro.models.registry import get_train_spec, import_custom_model
+def _checks(rank: int, world: int, spec_path: str) -> None:
+    from titan_kedro.models.registry import get_train_spec, import_custom_model
 
-        import_custom_model(path=spec_path)
-        spec = get_train_spec("tiny_dense")
+    import_custom_model(path=spec_path)
+    spec = get_train_spec("tiny_dense")
 
-        with_ep = ParallelDims(1, -1, 2, world)
-        with_ep.build_mesh()
-        assert with_ep.ep_mesh.size() == 2 and with_ep.expert_fsdp_mesh.size() == 1
-        assert dist.get_world_size(with_ep.ep_group) == 2 and with_ep.ep_rank == rank
-        dims = ParallelDims(1, -1, 1, world)
-        dims.build_mesh()
-        assert dims.fsdp_mesh.size() == 2 and dims.ep_mesh.size() == 1
-        assert dims.dp_rank == rank and dims.dp_degree == 2
+    with_ep = ParallelDims(1, -1, 2, world)
+    with_ep.build_mesh()
+    assert with_ep.ep_mesh.size() == 2 and with_ep.expert_fsdp_mesh.size() == 1
+    assert dist.get_world_size(with_ep.ep_group) == 2 and with_ep.ep_rank == rank
+    dims = ParallelDims(1, -1, 1, world)
+    dims.build_mesh()
+    assert dims.fsdp_mesh.size() == 2 and dims.ep_mesh.size() == 1
+    assert dims.dp_rank == rank and dims.dp_degree == 2
 
-        reference = _tiny(spec)
-        model = parallelize_dense(
-            copy.deepcopy(reference), dims, make_config(training={"activation_checkpoint": "full"})
-        )
-        assert all(isinstance(p, DTensor) for p in model.parameters())
-        torch.manual_seed(1)
-        tokens = torch.randint(0, 512, (2, 16))  # same batch on both ranks
-        for m in (reference, model):
-            (m(tokens).logsumexp(-1).mean() * 50).backward()
-        unclipped = {n: p.grad.clone() for n, p in reference.named_parameters()}
-        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
-        norm = clip_grad_norm_(list(model.parameters()), 0.05)
-        assert not isinstance(norm, DTensor)
-        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
-        assert ref_norm > 0.05  # clipping really happened
-        for (name, a), b in zip(reference.named_parameters(), model.parameters()):
-            torch.testing.assert_close(b.grad.full_tensor(), a.grad, msg=name, rtol=1e-5, atol=1e-7)
-        # HSDP: two replicas of one shard each give the same gradients as one process.
-        hsdp_dims = ParallelDims(2, -1, 1, world)
-        hsdp_dims.build_mesh()
-        assert hsdp_dims.fsdp_mesh.ndim == 2
-        hsdp = parallelize_dense(copy.deepcopy(_tiny(spec)), hsdp_dims, make_config())
-        (hsdp(tokens).logsumexp(-1).mean() * 50).backward()
-        for (name, grad), b in zip(unclipped.items(), hsdp.parameters()):
-            torch.testing.assert_close(b.grad.full_tensor(), grad, msg=name, rtol=1e-5, atol=1e-7)
-        # A rank-local non-finite gradient makes the global norm non-finite everywhere.
-        first = next(model.parameters())
-        if rank == 1:
-            first.grad.to_local().fill_(float("nan"))
-        assert not torch.isfinite(clip_grad_norm_(list(model.parameters()), 1.0))
-        dist.destroy_process_group()
-    except BaseException as err:  # report to the parent, which fails the test
-        import traceback
-
-        errors.put(f"rank {rank}: {err!r}\n{traceback.format_exc()}")
-        raise
+    reference = _tiny(spec)
+    model = parallelize_dense(
+        copy.deepcopy(reference), dims, make_config(training={"activation_checkpoint": "full"})
+    )
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 512, (2, 16))  # same batch on both ranks
+    for m in (reference, model):
+        (m(tokens).logsumexp(-1).mean() * 50).backward()
+    unclipped = {n: p.grad.clone() for n, p in reference.named_parameters()}
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+    norm = clip_grad_norm_(list(model.parameters()), 0.05)
+    assert not isinstance(norm, DTensor)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+    assert ref_norm > 0.05  # clipping really happened
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad.full_tensor(), a.grad, msg=name, rtol=1e-5, atol=1e-7)
+    # HSDP: two replicas of one shard each give the same gradients as one process.
+    hsdp_dims = ParallelDims(2, -1, 1, world)
+    hsdp_dims.build_mesh()
+    assert hsdp_dims.fsdp_mesh.ndim == 2
+    hsdp = parallelize_dense(copy.deepcopy(_tiny(spec)), hsdp_dims, make_config())
+    (hsdp(tokens).logsumexp(-1).mean() * 50).backward()
+    for (name, grad), b in zip(unclipped.items(), hsdp.parameters()):
+        torch.testing.assert_close(b.grad.full_tensor(), grad, msg=name, rtol=1e-5, atol=1e-7)
+    # A rank-local non-finite gradient makes the global norm non-finite everywhere.
+    first = next(model.parameters())
+    if rank == 1:
+        first.grad.to_local().fill_(float("nan"))
+    assert not torch.isfinite(clip_grad_norm_(list(model.parameters()), 1.0))
 
 
 @pytest.mark.slow
 def test_fsdp_mesh_and_global_norm_clipping(tmp_path: Path, tiny_spec: Any) -> None:
     del tiny_spec
-    from train.helpers import TINY_MODEL
+    from train.helpers import TINY_MODEL, run_ranks
 
-    errors = mp.get_context("spawn").SimpleQueue()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    procs = mp.spawn(
-        _worker, args=(2, str(tmp_path / "store"), str(TINY_MODEL), errors), nprocs=2, join=False
-    )
-    try:
-        while not procs.join(timeout=120):
-            pass
-    finally:
-        messages = []
-        while not errors.empty():
-            messages.append(errors.get())
-        assert not messages, "\n".join(messages)
+    run_ranks(_checks, str(TINY_MODEL), store=tmp_path / "store")
 
 
 def test_apply_fsdp_needs_layers() -> None:

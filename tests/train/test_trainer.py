@@ -10,12 +10,10 @@ import pytest
 import torch
 
 from titan_kedro.config import resolve_job_config
-from titan_kedro.data.loader import TokenLoader
-from titan_kedro.data.token_store import open_split
 from titan_kedro.train.checkpoint import latest_checkpoint, list_checkpoints, load_model_weights
 from titan_kedro.train.trainer import NonFiniteLossError, Trainer
 from titan_kedro.train.validation import mean_loss
-from train.helpers import read_metrics, tiny_job, write_token_dir
+from train.helpers import read_metrics, tiny_job, validation_loader, write_token_dir
 
 
 @pytest.fixture(scope="module")
@@ -140,14 +138,7 @@ def test_metrics_validation_moe_hooks_and_weights(tmp_path: Path, token_dir: Pat
         torch.testing.assert_close(plain.state_dict()[name], tensor, msg=name)
     # The logged val_loss is what evaluation's mean_loss gives the final weights on the
     # same held-out batches, through plain logits and the unfused loss.
-    loader = TokenLoader(
-        open_split(token_dir, "validation"),
-        seq_len=32,
-        local_batch_size=2,
-        dp_rank=0,
-        dp_degree=1,
-        seed=raw["job"]["seed"],
-    )
+    loader = validation_loader(token_dir, seq_len=32, local_batch_size=2, seed=raw["job"]["seed"])
     expected, tokens = mean_loss(
         plain, loader, spec.build_loss_fn(resolve_job_config(raw).config), n_batches=2
     )
