@@ -44,7 +44,7 @@ def test_exact_resume_matches_a_straight_run(tmp_path: Path, token_dir: Path) ->
     _run(straight)
     first = _run(split, stop_at=3)
     assert first["final_step"] == 3 and first["checkpoint_dir"].endswith("step-3")
-    second = _run(split)
+    second = _run({**split, "checkpoint": {**split["checkpoint"], "resume": "latest"}})
     assert second["final_step"] == 6
     a, b = _losses(tmp_path / "straight" / "job"), _losses(tmp_path / "split" / "job")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]

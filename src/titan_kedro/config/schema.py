@@ -26,6 +26,8 @@ class JobSection(Section):
     """Seed for model init, data order and sampling; the same seed gives the same losses."""
     dump_folder: str = "data/07_model_output/job"
     """Where the resolved job config and worker summaries are written."""
+    run_id: str | None = None
+    """This run's identity (the MLflow run id, or a generated one); set by the training node."""
 
 
 class DataSection(Section):
@@ -199,13 +201,15 @@ class CheckpointSection(Section):
     enable: bool = True
     """Write distributed checkpoints."""
     folder: str = "data/06_models/checkpoints"
-    """Checkpoint root; each step is ``step-<n>``."""
+    """Checkpoint root; each run writes ``<run id>/step-<n>`` (the node points the workers
+    at their run's folder)."""
     interval: int = Field(50, gt=0)
     """Save every this many steps (and always at the end)."""
     keep_latest_k: int = Field(2, ge=1)
     """Keep only the newest k complete checkpoints."""
-    resume: str = "auto"
-    """``auto``: continue from the latest checkpoint; ``never``; or a checkpoint path."""
+    resume: str = "never"
+    """``never``: a new run; ``latest``: continue the most recently saved run; a run id; or a
+    checkpoint path. Continuing reopens that run's MLflow run."""
 
 
 class MetricsSection(Section):

@@ -75,6 +75,11 @@ def mlflow_env() -> dict[str, str]:
     return {RUN_ID_ENV: run.info.run_id, TRACKING_URI_ENV: mlflow.get_tracking_uri()}
 
 
+def active_run_id() -> str | None:
+    """The id of the active MLflow run (None without one)."""
+    return mlflow_env().get(RUN_ID_ENV)
+
+
 def _run_dirs(log_dir: Path) -> set[Path]:
     return {p for p in log_dir.iterdir() if p.is_dir()} if log_dir.is_dir() else set()
 

@@ -43,6 +43,7 @@ from titan_kedro.train.metrics import (
     peak_tflops,
 )
 from titan_kedro.train.parallel_dims import ParallelDims
+from titan_kedro.train.run_identity import checkpoint_metadata
 from titan_kedro.train.validation import mean_loss, perplexity
 
 logger = logging.getLogger(__name__)
@@ -167,7 +168,9 @@ class Trainer:
             enable=cfg.checkpoint.enable,
         )
         self.resumed_from: Path | None = None
-        resume = self.checkpointer.resolve_resume(cfg.checkpoint.resume)
+        resume = self.checkpointer.resolve_resume(
+            cfg.checkpoint.resume, restarted=env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0
+        )
         if resume is not None:
             self.checkpointer.load(resume)
             self.resumed_from = resume
@@ -344,7 +347,9 @@ class Trainer:
                     self.metrics.log(step, step_metrics)
                 self.metrics.advance()
             if step % cfg.checkpoint.interval == 0 or step == last_step:
-                self.checkpointer.save(step, {"loss": self.state.last_loss})
+                self.checkpointer.save(
+                    step, {"loss": self.state.last_loss, **checkpoint_metadata(cfg)}
+                )
         summary = {
             "checkpoint_dir": str(self.checkpointer.last_saved)
             if self.checkpointer.last_saved

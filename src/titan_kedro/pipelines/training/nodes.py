@@ -9,7 +9,8 @@ from typing import Any
 
 from titan_kedro.config import dump_job_config, resolve_job_config
 from titan_kedro.data.vocab import check_vocab_fits
-from titan_kedro.train.launch import TrainingFailedError, launch_training
+from titan_kedro.train.launch import TrainingFailedError, active_run_id, launch_training
+from titan_kedro.train.run_identity import prepare_run
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +22,11 @@ def train_model(
     model_spec: dict[str, Any],
     **sections: dict[str, Any],
 ) -> dict[str, Any]:
-    """Write the resolved job config, run torchrun, and return the workers' summary.
+    """Plan the run, write the resolved job config, run torchrun, return the workers' summary.
+
+    A new run (``checkpoint.resume: never``) trains from step 0 into
+    ``checkpoint.folder/<MLflow run id>``; otherwise the named run is continued after
+    checking that nothing that changes the maths differs (see ``train.run_identity``).
 
     Args:
         token_metadata: ``metadata.json`` of the token files (orders this node after
@@ -35,11 +40,12 @@ def train_model(
 
     Raises:
         TrainingFailedError: A worker failed; the message holds its log tail.
+        ResumeMismatchError: The continued checkpoint was trained with other maths.
     """
     del model_spec
     resolved = resolve_job_config(sections)
-    cfg = resolved.config
     check_vocab_fits(token_metadata, int(resolved.model_args.vocab_size))
+    cfg = prepare_run(resolved.config, token_metadata, active_run_id())
     dump = Path(cfg.job.dump_folder)
     config_path = dump_job_config(cfg, dump / JOB_CONFIG_FILE)
     summary_path = dump / "summary.json"
