@@ -230,7 +230,7 @@ class ValidationSection(Section):
 
 class EvaluationSection(Section):
     batches: int = Field(8, gt=0)
-    """Validation batches for the final ``val_loss``."""
+    """Validation batches for the final checkpoint's ``eval_loss`` (capped at the windows)."""
     num_prompts: int = Field(3, gt=0)
     """Prompts taken from validation documents for sample generations."""
     prompt_tokens: int = Field(16, gt=0)
