@@ -44,7 +44,7 @@ from titan_kedro.train.metrics import (
 )
 from titan_kedro.train.parallel_dims import ParallelDims
 from titan_kedro.train.run_identity import checkpoint_metadata
-from titan_kedro.train.validation import mean_loss, perplexity
+from titan_kedro.train.validation import capped_batches, mean_loss, perplexity
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,12 @@ class Trainer:
         self.val_tokens = None
         if cfg.validation.freq:
             self.val_tokens = open_split(cfg.data.token_dir, "validation")
-            self._validation_loader()  # too few held-out tokens fail now, not mid-run
+            # Too few held-out tokens fail now, not mid-run.
+            self.val_batches = capped_batches(
+                cfg.validation.steps,
+                self._validation_loader().batches_per_epoch,
+                "validation.steps",
+            )
 
         self.state = TrainState()
         self.checkpointer = CheckpointManager(
@@ -286,7 +291,7 @@ class Trainer:
             self.model,
             self._validation_loader(),
             self.loss_fn,  # takes the model's hidden states under the fused loss
-            n_batches=self.cfg.validation.steps,
+            n_batches=self.val_batches,
             device=self.device,
             group=self.dp_group,
         )

@@ -64,7 +64,9 @@ def compute_validation_loss(
         final_model.model,
         iter(loader),
         loss_fn,
-        n_batches=min(evaluation["batches"], loader.batches_per_epoch),
+        n_batches=validation.capped_batches(
+            evaluation["batches"], loader.batches_per_epoch, "evaluation.batches"
+        ),
     )
     eval_perplexity = validation.perplexity(eval_loss)
     logger.info(
