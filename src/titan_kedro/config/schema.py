@@ -34,7 +34,8 @@ class DataSection(Section):
     source: Literal["local", "hub"] = "local"
     """``local``: C4 JSON-lines shards under ``raw_dir``; ``hub``: stream ``hub_dataset``."""
     raw_dir: str = "data/01_raw/c4"
-    """Folder of ``*.json`` / ``*.json.gz`` C4 shards (must match the catalog's ``c4_raw``)."""
+    """Folder of ``*.json`` / ``*.json.gz`` C4 shards; in the Kedro project both this and the
+    catalog's ``c4_raw`` come from the ``c4_raw_dir`` global (``conf/<env>/globals.yml``)."""
     hub_dataset: str = "allenai/c4"
     """Hugging Face dataset id streamed when ``source`` is ``hub``."""
     hub_config: str = "en"
