@@ -65,9 +65,12 @@ def test_exact_resume_matches_a_straight_run(tmp_path: Path, token_dir: Path) ->
 
 def test_nan_stops_with_last_good_checkpoint_kept(tmp_path: Path, token_dir: Path) -> None:
     raw = tiny_job(tmp_path, token_dir, training={"steps": 5}, checkpoint={"interval": 2})
+    stale = tmp_path / "ckpt" / "step-9.tmp"  # left by a crash in an earlier save
+    (stale / "dir").mkdir(parents=True)
     trainer = _trainer(raw)
     try:
         trainer.train(stop_at=2)
+        assert not stale.exists()  # removed by the next save
         with torch.no_grad():
             next(trainer.model.parameters()).to_local().fill_(float("nan"))
         with pytest.raises(NonFiniteLossError, match=r"step 3 .*step-2"):
