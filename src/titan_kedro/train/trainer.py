@@ -199,6 +199,7 @@ class Trainer:
                 start_step=self.state.step,
                 mlflow=MlflowMetricsSink.from_env(cfg.metrics.enable_mlflow),
                 append=self.resumed_from is not None,
+                run_id=cfg.job.run_id,
             )
 
     def _per_rank_state(self) -> dict[str, Any]:
