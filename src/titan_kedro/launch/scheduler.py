@@ -10,6 +10,7 @@ replica's log tail and, where the torchrun log folder is visible, the failing ra
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import signal
 import sys
@@ -140,6 +141,16 @@ def _failing_replica(status: AppStatus, tails: list[deque[str]]) -> int:
     return 0
 
 
+def _error_message(structured: str) -> str:
+    """The message of torchrun's error file as TorchX reports it (else the text as is)."""
+    if not structured or structured == "<NONE>":
+        return ""
+    try:
+        return str(json.loads(structured)["message"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return structured
+
+
 def _wait_terminal(runner: Runner, handle: str, timeout_s: float) -> AppStatus | None:
     end = time.monotonic() + timeout_s
     status = runner.status(handle)
@@ -212,10 +223,10 @@ def run_job(
         if timed_out
         else f"ended {state}"
     )
-    error = status.structured_error_msg if status is not None else ""
+    error = _error_message(status.structured_error_msg if status is not None else "")
     raise TrainingFailedError(
         f"training job {handle} {reason}. Worker logs: {log_dir}\n"
         f"--- node {k} output (last {TAIL_LINES} lines) ---\n{replica_log}"
         + (f"\n{rank_log}" if rank_log else "")
-        + (f"\n--- scheduler error ---\n{error}" if error and error != "<NONE>" else "")
+        + (f"\n--- scheduler error ---\n{error}" if error else "")
     )
