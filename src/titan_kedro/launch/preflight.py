@@ -8,6 +8,9 @@ names the setting to change.
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,8 @@ from urllib.parse import urlsplit
 
 from titan_kedro.launch.appdef import HOST_SCHEDULERS
 from titan_kedro.tracking.mlflow_logger import TRACKING_URI_ENV
+
+logger = logging.getLogger(__name__)
 
 THIS_MACHINE = frozenset({"local", "local_cwd"})
 """Schedulers whose workers run on this machine (they see its files and its MLflow)."""
@@ -49,7 +54,7 @@ def with_absolute_paths(cfg: Any) -> Any:
     update: dict[str, dict[str, str]] = {}
     for setting, path in worker_paths(cfg).items():
         section, key = setting.split(".")
-        update.setdefault(section, {})[key] = str(Path(path).resolve())
+        update.setdefault(section, {})[key] = os.path.abspath(path)
     return cfg.model_copy(
         update={
             name: getattr(cfg, name).model_copy(update=values) for name, values in update.items()
@@ -66,6 +71,12 @@ def redact_uri(uri: str) -> str:
     return parts._replace(netloc=netloc).geturl()
 
 
+def _under(path: str, folder: str) -> bool:
+    """Whether ``path`` lies in ``folder`` as written (symlinks are not followed: the nodes
+    see the same paths, not necessarily the same link targets)."""
+    return Path(os.path.abspath(path)).is_relative_to(os.path.abspath(folder))
+
+
 def _check_storage(cfg: Any) -> list[str]:
     launch = cfg.launch
     if not launch.shared_dir:
@@ -79,8 +90,8 @@ def _check_storage(cfg: Any) -> list[str]:
         return [f"launch.shared_dir={launch.shared_dir!r} must be an absolute path"]
     problems = []
     for setting, path in worker_paths(cfg).items():
-        where = Path(path).resolve()
-        if not where.is_relative_to(shared.resolve()):
+        where = os.path.abspath(path)
+        if not _under(path, launch.shared_dir):
             problems.append(
                 f"{setting}={path!r} ({where}) is outside launch.shared_dir={shared}, so the "
                 f"workers cannot see it; set {setting} to a path under {shared}"
@@ -137,6 +148,14 @@ def check_remote_launch(cfg: Any, env: Mapping[str, str]) -> None:
     if not is_remote(cfg.launch.scheduler):
         return
     problems = [*_check_storage(cfg), *_check_mlflow(cfg, env), *_check_role(cfg)]
+    shared = cfg.launch.shared_dir
+    if cfg.launch.scheduler in HOST_SCHEDULERS and shared and not _under(sys.executable, shared):
+        logger.warning(
+            "the nodes will run %s, which is outside launch.shared_dir=%s: it must exist at "
+            "the same path on every node",
+            sys.executable,
+            shared,
+        )
     if problems:
         raise LaunchCheckError(
             f"cannot submit to {cfg.launch.scheduler}:\n" + "\n".join(f"- {p}" for p in problems)
