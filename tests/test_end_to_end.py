@@ -283,6 +283,9 @@ def test_two_torchx_agents_train_like_one_node_into_one_mlflow_run(
     assert sorted(two_nodes) == sorted(one_node) == list(range(1, 13))
     for step, loss in one_node.items():
         assert abs(two_nodes[step] - loss) <= 1e-4, (step, two_nodes[step], loss)
+    print(
+        f"max |loss(2x1) - loss(1x2)| over 12 steps: {max(abs(two_nodes[s] - one_node[s]) for s in one_node):.2e}"
+    )
 
 
 def test_copy_project_leaves_out_local_config(tmp_path: Path) -> None:
