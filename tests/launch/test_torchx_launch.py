@@ -122,6 +122,16 @@ def test_dry_run_writes_the_request_and_trains_nothing(
     assert not (tmp_path / "job" / "summary.json").exists() and not (tmp_path / "ckpt").exists()
 
 
+def test_a_dry_run_that_would_be_refused_is_written_then_fails(tmp_path: Path) -> None:
+    from titan_kedro.launch import launch_job
+
+    job = shared_job(tmp_path, scheduler="slurm", dryrun=True, dryrun_dir=str(tmp_path / "dry"))
+    cfg = prepare_job(build_job_config(job), {**RUN_ENV, "MLFLOW_TRACKING_URI": "sqlite:///m.db"})
+    with pytest.raises(LaunchCheckError, match=r"(?s)dry run written to .*sqlite file"):
+        launch_job(cfg, tmp_path / "job.yaml", {**RUN_ENV, "MLFLOW_TRACKING_URI": "sqlite:///m.db"})
+    assert "#SBATCH" in (tmp_path / "dry" / "request_slurm.txt").read_text()
+
+
 def test_a_dry_run_refuses_the_nodes_that_read_its_summary() -> None:
     from titan_kedro.pipelines import evaluation, training
 

@@ -37,12 +37,16 @@ __all__ = [
 def prepare_job(cfg: Any, env: Mapping[str, str]) -> Any:
     """The config the workers get: absolute paths for a remote scheduler, after its checks.
 
+    A dry run is checked after it has written the request (``write_dryrun``), so the user
+    can read it either way.
+
     Raises:
         LaunchCheckError: A remote job could not see its files or reach MLflow.
     """
     if not is_remote(cfg.launch.scheduler):
         return cfg
-    check_remote_launch(cfg, env)
+    if not cfg.launch.dryrun:
+        check_remote_launch(cfg, env)
     return with_absolute_paths(cfg)
 
 

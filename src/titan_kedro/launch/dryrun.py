@@ -14,7 +14,7 @@ from torchx.runner import get_runner
 from torchx.specs import AppDef
 
 from titan_kedro.config.schema import LOCAL_SCHEDULER
-from titan_kedro.launch.preflight import redact_uri
+from titan_kedro.launch.preflight import check_remote_launch, redact_uri
 from titan_kedro.launch.scheduler import dryrun_info, render_request, signals_restored
 from titan_kedro.tracking.mlflow_logger import TRACKING_URI_ENV
 from titan_kedro.train.launch import torchrun_command
@@ -43,6 +43,10 @@ def write_dryrun(
         config_path: The job config file the workers would load.
         env: The job's environment.
 
+    Raises:
+        LaunchCheckError: After writing, if the remote checks find problems (the message
+            names the files and each setting to change).
+
     Returns:
         The dry-run training summary: ``dryrun``, ``scheduler``, ``request_file``,
         ``appdef_file`` (or None), ``final_step`` (None: nothing trained).
@@ -62,6 +66,9 @@ def write_dryrun(
         request.write_text(render_request(info, env) + "\n", encoding="utf-8")
         appdef_file = folder / "appdef.json"
         appdef_file.write_text(appdef_json(app, env) + "\n", encoding="utf-8")
+    check_remote_launch(
+        cfg, env, intro=f"dry run written to {folder}, but {launch.scheduler} would refuse it"
+    )
     return {
         "dryrun": True,
         "scheduler": launch.scheduler,

@@ -135,19 +135,15 @@ def _check_role(cfg: Any) -> list[str]:
     return problems
 
 
-def check_remote_launch(cfg: Any, env: Mapping[str, str]) -> None:
-    """Fail before submitting if a remote job could not see its files or reach MLflow.
+def remote_problems(cfg: Any, env: Mapping[str, str]) -> list[str]:
+    """Why a remote job could not see its files or reach MLflow (empty: nothing found).
 
     Args:
         cfg: The job config (paths as this machine resolves them).
         env: The environment the job gets (``MLFLOW_TRACKING_URI``).
-
-    Raises:
-        LaunchCheckError: Every problem found, one per line, each naming its setting.
     """
     if not is_remote(cfg.launch.scheduler):
-        return
-    problems = [*_check_storage(cfg), *_check_mlflow(cfg, env), *_check_role(cfg)]
+        return []
     shared = cfg.launch.shared_dir
     if cfg.launch.scheduler in HOST_SCHEDULERS and shared and not _under(sys.executable, shared):
         logger.warning(
@@ -156,7 +152,20 @@ def check_remote_launch(cfg: Any, env: Mapping[str, str]) -> None:
             sys.executable,
             shared,
         )
+    return [*_check_storage(cfg), *_check_mlflow(cfg, env), *_check_role(cfg)]
+
+
+def check_remote_launch(cfg: Any, env: Mapping[str, str], *, intro: str | None = None) -> None:
+    """Fail before submitting if a remote job could not see its files or reach MLflow.
+
+    Raises:
+        LaunchCheckError: Every problem of :func:`remote_problems`, one per line, each
+            naming its setting, after ``intro`` (default: "cannot submit to <scheduler>").
+    """
+    problems = remote_problems(cfg, env)
     if problems:
         raise LaunchCheckError(
-            f"cannot submit to {cfg.launch.scheduler}:\n" + "\n".join(f"- {p}" for p in problems)
+            (intro or f"cannot submit to {cfg.launch.scheduler}")
+            + ":\n"
+            + "\n".join(f"- {p}" for p in problems)
         )
