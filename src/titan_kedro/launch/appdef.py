@@ -25,9 +25,10 @@ ROLE = "train"
 """The role's name (``dist.ddp`` names it after the module: ``titan_kedro.train``)."""
 RDZV_PORT = 29500
 """Rendezvous port on the rank-0 node (``dist.ddp``'s default; exposed as port ``c10d``)."""
-HOST_SCHEDULERS = frozenset({"local_cwd", "slurm", "lsf"})
+HOST_SCHEDULERS = frozenset({"local_cwd", "slurm"})
 """Schedulers that run this machine's environment (this interpreter, on shared storage for
-slurm/lsf); the others start containers and run ``python`` from ``scheduler_args.image``."""
+slurm); the others run ``python`` in ``scheduler_args.image`` (a container image; for
+``ray`` its working directory)."""
 ROLE_ARGS = frozenset({"image", "mounts"})
 """``launch.scheduler_args`` keys that set the role, not TorchX run options."""
 

@@ -123,8 +123,8 @@ def _check_role(cfg: Any) -> list[str]:
     problems = []
     if launch.scheduler not in HOST_SCHEDULERS and not launch.scheduler_args.get("image"):
         problems.append(
-            f"launch.scheduler={launch.scheduler} starts containers: set "
-            "launch.scheduler_args.image to an image with titan_kedro installed"
+            f"launch.scheduler={launch.scheduler} runs the workers in an image: set "
+            "launch.scheduler_args.image to one with titan_kedro installed"
         )
     if cfg.training.device == "cuda" and launch.resources.gpus < launch.nproc_per_node:
         problems.append(
