@@ -9,6 +9,7 @@ from typing import Any
 
 from titan_kedro.config import dump_job_config, resolve_job_config
 from titan_kedro.data.vocab import check_vocab_fits
+from titan_kedro.plan import build_plan, check_plan_fits, format_plan
 from titan_kedro.train.launch import TrainingFailedError, launch_training
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,8 @@ def train_model(
     Args:
         token_metadata: ``metadata.json`` of the token files (orders this node after
             ``data_processing``; its ``vocab_size`` is checked against the model).
-        model_spec: The model card (orders this node after ``model_spec``).
+        model_spec: The model card (orders this node after ``model_spec``). Its plan may
+            be stale, so the plan is measured again for this config before launching.
         **sections: The job-config sections by name (``model``, ``training``, …; the
             pipeline passes every one, see ``titan_kedro.pipelines.job_params``).
 
@@ -34,12 +36,17 @@ def train_model(
         ``checkpoint_dir, final_step, final_loss, tokens_seen, wall_time_s``.
 
     Raises:
+        PlanDoesNotFitError: The job needs more memory per rank than its devices have
+            (with ``plan.enforce``); the message holds the numbers and what would help.
         TrainingFailedError: A worker failed; the message holds its log tail.
     """
     del model_spec
     resolved = resolve_job_config(sections)
     cfg = resolved.config
     check_vocab_fits(token_metadata, int(resolved.model_args.vocab_size))
+    plan = build_plan(resolved)
+    logger.info("%s", format_plan(plan))
+    check_plan_fits(plan, enforce=cfg.plan.enforce)
     dump = Path(cfg.job.dump_folder)
     config_path = dump_job_config(cfg, dump / JOB_CONFIG_FILE)
     summary_path = dump / "summary.json"
