@@ -18,6 +18,8 @@ logger = logging.getLogger(__name__)
 
 _LAYOUT_KEYS = ("seq_len", "seed", "num_tokens")
 _ROUNDS = 6
+_CACHE_WINDOWS = 1 << 16
+"""Window indices of upcoming batches computed at once (512 KiB), to amortise numpy calls."""
 _MUL_1 = np.uint64(0xBF58476D1CE4E5B9)
 _MUL_2 = np.uint64(0x94D049BB133111EB)
 
@@ -140,6 +142,9 @@ class TokenLoader:
         self._batch = 0
         self._permutation: WindowPermutation | None = None
         self._permutation_epoch = -1
+        self._cache_batches = max(1, _CACHE_WINDOWS // local_batch_size)
+        self._cache_first = -1
+        self._cache = np.empty((0, local_batch_size), dtype=np.int64)
         self._offsets = np.arange(seq_len + 1, dtype=np.int64)
         self._mine = dp_rank * local_batch_size + np.arange(local_batch_size, dtype=np.int64)
 
@@ -157,10 +162,7 @@ class TokenLoader:
                 self.epoch,
                 self.batches_per_epoch,
             )
-        if self._permutation_epoch != self.epoch:
-            self._permutation = WindowPermutation(self.num_windows, [self.seed, self.epoch])
-            self._permutation_epoch = self.epoch
-        windows = self._permutation(self._batch * self.global_batch_windows + self._mine)
+        windows = self._windows(self._batch)
         self._batch += 1
         block = np.asarray(
             self.tokens[(windows * self.seq_len)[:, None] + self._offsets], dtype=np.int64
@@ -168,6 +170,20 @@ class TokenLoader:
         inputs = torch.from_numpy(np.ascontiguousarray(block[:, :-1]))
         labels = torch.from_numpy(np.ascontiguousarray(block[:, 1:]))
         return inputs, labels
+
+    def _windows(self, batch: int) -> np.ndarray:
+        """This rank's window indices in batch ``batch`` of the current epoch."""
+        if self._permutation_epoch != self.epoch:
+            self._permutation = WindowPermutation(self.num_windows, [self.seed, self.epoch])
+            self._permutation_epoch = self.epoch
+            self._cache_first = -1
+        offset = batch - self._cache_first
+        if self._cache_first < 0 or not 0 <= offset < len(self._cache):
+            stop = min(batch + self._cache_batches, self.batches_per_epoch)
+            batches = np.arange(batch, stop, dtype=np.int64)[:, None]
+            self._cache = self._permutation(batches * self.global_batch_windows + self._mine)
+            self._cache_first, offset = batch, 0
+        return self._cache[offset]
 
     def state_dict(self) -> dict[str, int]:
         """The global position and the layout, as plain ints (fits in a DCP checkpoint).
