@@ -37,7 +37,7 @@ NEED_TOKENS_PER_S = 989e12 * 0.4 / (6 * 8.03e9)
 """Tokens/s one H100 consumes for Llama 3 8B at 40 % MFU."""
 
 
-def _case(path: str, loader: str, seq_len: int, batch: int, dp: int, batches: int) -> dict:
+def _case(path: str, loader: str, *, seq_len: int, batch: int, dp: int, batches: int) -> dict:
     import torch  # noqa: F401  (same imports in both cases)
 
     tokens = np.memmap(path, dtype="<u4", mode="r")
@@ -92,7 +92,17 @@ def main() -> None:
     parser.add_argument("--case", nargs=2, metavar=("FILE", "LOADER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
-        print(json.dumps(_case(*args.case, args.seq_len, args.batch, args.dp, args.batches)))
+        print(
+            json.dumps(
+                _case(
+                    *args.case,
+                    seq_len=args.seq_len,
+                    batch=args.batch,
+                    dp=args.dp,
+                    batches=args.batches,
+                )
+            )
+        )
         return
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:

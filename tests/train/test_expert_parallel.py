@@ -35,7 +35,6 @@ from train.helpers import (
 )
 
 
-
 def _build(spec: Any, args: Any, seed: int) -> torch.nn.Module:
     # The trainer's recipe: the same seed gives the same weights on every rank.
     with torch.device("meta"):
