@@ -124,7 +124,9 @@ class Trainer:
             and can_defer_output_projection(model)
         )
         if self.fused_loss:
-            self.loss_fn = FusedOutputLoss(defer_output_projection(model))
+            self.loss_fn = FusedOutputLoss(
+                defer_output_projection(model), compile=cfg.training.compile
+            )
         self.model = self.spec.parallelize_fn(model, self.parallel_dims, cfg)
         self.model.train()
         self.model_parts = [self.model]
