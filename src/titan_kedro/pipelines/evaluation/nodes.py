@@ -9,6 +9,7 @@ from titan_kedro.config import resolve_job_config
 from titan_kedro.data.loader import TokenLoader
 from titan_kedro.data.tokenizer import build_tokenizer
 from titan_kedro.train import evaluate, validation
+from titan_kedro.train.documents import masking_bos_id
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ def compute_validation_loss(
         iter(loader),
         loss_fn,
         n_batches=min(evaluation["batches"], loader.batches_per_epoch),
+        bos_id=masking_bos_id(cfg, final_model.model, token_files.get("metadata", {})),
     )
     val_perplexity = validation.perplexity(val_loss)
     logger.info("val_loss %.4f (perplexity %.1f) over %d tokens", val_loss, val_perplexity, tokens)
