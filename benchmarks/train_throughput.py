@@ -5,7 +5,11 @@ adapter), see the same batches and run a full training step each: forward, cross
 backward, gradient clipping and AdamW.
 
 - ``ours_bf16``: ``Trainer.train_step`` with ``training.mixed_precision_cpu`` (bf16
-  matmuls, fp32 master weights, optimizer state and loss math);
+  matmuls, fp32 master weights, optimizer state and loss math), ``training.compile``
+  (regional: each block and the fused loss's chunk; compiling happens in the warm-up
+  rounds, which are not timed; ``--training compile=false`` for eager) and document
+  masking (the token stream holds documents; transformers attends across them, which
+  is less work);
 - ``ours_fp32``: the same trainer in float32;
 - ``hf_bf16``: transformers' ``DeepseekV2ForCausalLM`` (sdpa attention, its default)
   with forward and loss under ``torch.autocast("cpu", dtype=torch.bfloat16)``, which is
@@ -80,6 +84,7 @@ def job(tmp: Path, tokens: Path, args: argparse.Namespace, bf16: bool) -> dict[s
         "num_threads": args.threads,
         "mixed_precision_cpu": bf16,
         "mixed_precision_param": "bfloat16",
+        "compile": True,
     }
     for key, value in args.training:
         training[key] = value
