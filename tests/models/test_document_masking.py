@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from titan_kedro.models import get_train_spec
-from titan_kedro.models.common import document_mask, document_positions
+from titan_kedro.models.common import attention, document_mask, document_positions
 from titan_kedro.models.deepseek_v2 import DeepSeekV2ModelArgs
 
 BOS = 1
@@ -73,3 +73,16 @@ def test_packed_window_logits_equal_each_document_alone(name: str) -> None:
                 start += len(doc)
     # Without the mask a later document sees the earlier ones, so the check above can fail.
     assert (unmasked[0, 5:16] - masked[0, 5:16]).abs().max() > 1e-3
+
+
+def test_flex_block_mask_matches_the_dense_mask() -> None:
+    # The CUDA path (FlexAttention, compiled) checked forward-only on CPU, with MLA's
+    # value width differing from the query/key width.
+    tokens = torch.tensor([[BOS, 5, 6, BOS, 7, 8, 9, BOS] * 16])
+    _, ids = document_positions(tokens, BOS)
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 128, 16, generator=gen) for _ in range(2))
+    v = torch.randn(1, 2, 128, 8, generator=gen)
+    dense = attention(q, k, v, document_mask(ids, flex=False), scale=0.3)
+    flex = attention(q, k, v, document_mask(ids, flex=True), scale=0.3)
+    torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-5)

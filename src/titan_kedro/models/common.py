@@ -326,12 +326,18 @@ def document_mask(document_ids: torch.Tensor, *, flex: bool | None = None) -> At
     return (same & causal)[:, None]
 
 
+_FLEX: dict[str, Callable[..., torch.Tensor]] = {}
+
+
 def _flex_attention() -> Callable[..., torch.Tensor] | None:
-    try:
-        from torch.nn.attention.flex_attention import flex_attention
-    except ImportError:
-        return None
-    return flex_attention
+    # FlexAttention is only fast compiled (its eager path materialises the scores).
+    if "fn" not in _FLEX:
+        try:
+            from torch.nn.attention.flex_attention import flex_attention
+        except ImportError:
+            return None
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["fn"]
 
 
 def attention(
