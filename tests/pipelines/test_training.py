@@ -34,13 +34,12 @@ def test_torchrun_command_single_and_multi_node() -> None:
     assert {"--standalone", "--nproc-per-node=2", "--nnodes=1", "--max-restarts=1"} <= set(cmd)
     assert cmd[-4:] == ["-m", "titan_kedro.train", "--config", "job.yaml"]
     multi = build_job_config(
-        {"launch": {"nproc_per_node": 8, "nnodes": 2, "node_rank": 1, "rdzv_endpoint": "h:29500"}}
+        {"launch": {"nproc_per_node": 8, "nnodes": 2, "rdzv_endpoint": "h:29500"}}
     ).launch
     cmd = torchrun_command(multi, "job.yaml")
-    assert "--standalone" not in cmd
-    assert {"--rdzv-backend=c10d", "--rdzv-endpoint=h:29500", "--node-rank=1", "--nnodes=2"} <= set(
-        cmd
-    )
+    assert "--standalone" not in cmd and "--nnodes=2" in cmd
+    assert " --rdzv-backend c10d --rdzv-endpoint h:29500 --rdzv-id titan-kedro " in " ".join(cmd)
+    assert not any("node-rank" in arg for arg in cmd)  # ranks come from the rendezvous
     no_endpoint = build_job_config({"launch": {"nnodes": 2}}).launch
     with pytest.raises(ValueError, match="rdzv_endpoint"):
         torchrun_command(no_endpoint, "job.yaml")
@@ -109,3 +108,23 @@ def test_launch_timeout_stops_a_silent_group(
     with pytest.raises(TrainingFailedError, match="timeout_s=1"):
         launch.launch_training(cfg, tmp_path / "job.yaml")
     assert time.monotonic() - start < 30
+
+
+def test_continuing_with_other_maths_fails_before_any_worker_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from titan_kedro.pipelines.training import nodes
+    from titan_kedro.train.run_identity import ResumeMismatchError
+
+    tokens = write_token_dir(tmp_path / "tokens")
+    checkpoint = tmp_path / "ckpt" / "run-1" / "step-3"
+    checkpoint.mkdir(parents=True)
+    saved = {"training.seq_len": 64, "model.name": "tiny_dense", "data_fingerprint": "old"}
+    (checkpoint / "metadata.json").write_text(json.dumps({"step": 3, "math": saved}))
+    params = tiny_job(tmp_path, tokens, checkpoint={"resume": "run-1"})
+    monkeypatch.setattr(nodes, "launch_job", lambda *a, **k: pytest.fail("workers started"))
+    with pytest.raises(ResumeMismatchError) as err:
+        train_model({"vocab_size": 512, "fingerprint": "new"}, {}, **params)
+    assert "training.seq_len: checkpoint 64, now 32" in str(err.value)
+    assert "data_fingerprint: checkpoint 'old', now 'new'" in str(err.value)
+    assert "model.name" not in str(err.value)

@@ -26,13 +26,16 @@ class JobSection(Section):
     """Seed for model init, data order and sampling; the same seed gives the same losses."""
     dump_folder: str = "data/07_model_output/job"
     """Where the resolved job config and worker summaries are written."""
+    run_id: str | None = None
+    """This run's identity (the MLflow run id, or a generated one); set by the training node."""
 
 
 class DataSection(Section):
     source: Literal["local", "hub"] = "local"
     """``local``: C4 JSON-lines shards under ``raw_dir``; ``hub``: stream ``hub_dataset``."""
     raw_dir: str = "data/01_raw/c4"
-    """Folder of ``*.json`` / ``*.json.gz`` C4 shards (must match the catalog's ``c4_raw``)."""
+    """Folder of ``*.json`` / ``*.json.gz`` C4 shards; in the Kedro project both this and the
+    catalog's ``c4_raw`` come from the ``c4_raw_dir`` global (``conf/<env>/globals.yml``)."""
     hub_dataset: str = "allenai/c4"
     """Hugging Face dataset id streamed when ``source`` is ``hub``."""
     hub_config: str = "en"
@@ -175,23 +178,67 @@ class ParallelismSection(Section):
     """FSDP2 shard degree; -1 takes whatever the world size leaves."""
 
 
+LOCAL_SCHEDULER = "local"
+"""``launch.scheduler`` value for torchrun on this machine, without TorchX."""
+
+
+def scheduler_names() -> list[str]:
+    """Valid ``launch.scheduler`` values: ``local`` and every scheduler TorchX offers."""
+    from torchx.schedulers import get_scheduler_factories
+
+    return [LOCAL_SCHEDULER, *get_scheduler_factories()]
+
+
+class LaunchResources(Section):
+    gpus: int = Field(0, ge=0)
+    """GPUs requested per node from a TorchX scheduler (one per worker on CUDA: ``nproc_per_node``)."""
+    cpus: int = Field(2, ge=1)
+    """CPU cores requested per node from a TorchX scheduler."""
+    memory_mb: int = Field(1024, ge=1)
+    """Host memory requested per node from a TorchX scheduler, in MB (TorchX's ``memMB``)."""
+
+
 class LaunchSection(Section):
+    scheduler: str = LOCAL_SCHEDULER
+    """``local``: torchrun on this machine; else the TorchX scheduler that runs one torchrun
+    per node (``local_cwd``: several agents here; ``slurm``, ``kubernetes``, …)."""
+    scheduler_args: dict[str, Any] = Field(default_factory=dict)
+    """TorchX run options of the scheduler (slurm ``partition``/``time``, kubernetes ``queue``/
+    ``namespace``, …), plus ``image`` and ``mounts`` (TorchX mount strings) for the job's role."""
+    resources: LaunchResources = Field(default_factory=LaunchResources)
+    """What each node asks the TorchX scheduler for."""
+    shared_dir: str | None = None
+    """A folder every node of a remote TorchX job mounts at the same path; the job config, token
+    files, checkpoints, dump and log folders must lie under it."""
+    dryrun: bool = False
+    """Write the scheduler request and the TorchX AppDef to ``dryrun_dir`` and train nothing."""
+    dryrun_dir: str = "data/07_model_output/launch"
+    """Where a dry run writes ``request_<scheduler>.txt`` and ``appdef.json``."""
     nproc_per_node: int = Field(1, ge=1)
     """Worker processes per node (one per GPU on CUDA)."""
     nnodes: int = Field(1, ge=1)
-    """Number of nodes."""
-    node_rank: int = Field(0, ge=0)
-    """This node's rank (only used without rendezvous)."""
+    """Number of nodes (more than one needs a TorchX scheduler)."""
     rdzv_endpoint: str | None = None
-    """``host:port`` of the c10d rendezvous for multi-node runs; None = standalone."""
+    """``host:port`` of the c10d rendezvous. None: standalone (``local``), the rank-0 node's
+    port 29500 (TorchX schedulers) or a free port here (``local_cwd``)."""
     rdzv_id: str = "titan-kedro"
-    """Rendezvous id shared by every node of one job."""
+    """Rendezvous id of a hand-started torchrun (TorchX jobs use their app id)."""
     max_restarts: int = Field(0, ge=0)
     """torchrun restarts the worker group this often; training resumes from the latest checkpoint."""
     log_dir: str = "data/07_model_output/logs"
-    """torchrun's per-worker log folder."""
+    """torchrun's per-worker log folder (and the replicas' logs under ``local_cwd``)."""
     timeout_s: int | None = Field(None, gt=0)
-    """Kill the whole launch after this many seconds (None: no limit)."""
+    """Stop the whole launch (cancel the TorchX job) after this many seconds (None: no limit)."""
+
+    @field_validator("scheduler")
+    @classmethod
+    def _known_scheduler(cls, value: str) -> str:
+        names = scheduler_names()
+        if value not in names:
+            raise ValueError(
+                f"unknown scheduler {value!r}; set launch.scheduler to one of: {', '.join(names)}"
+            )
+        return value
 
     @property
     def world_size(self) -> int:
@@ -202,13 +249,15 @@ class CheckpointSection(Section):
     enable: bool = True
     """Write distributed checkpoints."""
     folder: str = "data/06_models/checkpoints"
-    """Checkpoint root; each step is ``step-<n>``."""
+    """Checkpoint root; each run writes ``<run id>/step-<n>`` (the node points the workers
+    at their run's folder)."""
     interval: int = Field(50, gt=0)
     """Save every this many steps (and always at the end)."""
     keep_latest_k: int = Field(2, ge=1)
     """Keep only the newest k complete checkpoints."""
-    resume: str = "auto"
-    """``auto``: continue from the latest checkpoint; ``never``; or a checkpoint path."""
+    resume: str = "never"
+    """``never``: a new run; ``latest``: continue the most recently saved run; a run id; or a
+    checkpoint path. Continuing reopens that run's MLflow run."""
 
 
 class MetricsSection(Section):
@@ -229,7 +278,7 @@ class ValidationSection(Section):
 
 class EvaluationSection(Section):
     batches: int = Field(8, gt=0)
-    """Validation batches for the final ``val_loss``."""
+    """Validation batches for the final checkpoint's ``eval_loss`` (capped at the windows)."""
     num_prompts: int = Field(3, gt=0)
     """Prompts taken from validation documents for sample generations."""
     prompt_tokens: int = Field(16, gt=0)

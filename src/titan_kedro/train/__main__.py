@@ -10,7 +10,8 @@ Single node, 2 processes (CPU: gloo; GPUs: one process per GPU, NCCL)::
         -m titan_kedro.train --config data/07_model_output/job/job_config.yaml \\
         --launch.nproc_per_node 2
 
-Two nodes with 8 GPUs each (run on every node; same ``--rdzv-id`` and endpoint)::
+Two nodes with 8 GPUs each (the same command on every node; the rendezvous assigns the
+ranks; ``kedro run`` submits exactly this through TorchX with ``launch.scheduler``)::
 
     python -m torch.distributed.run --nnodes 2 --nproc-per-node 8 \\
         --rdzv-backend c10d --rdzv-endpoint node0.example:29500 --rdzv-id titan-kedro \\
@@ -20,8 +21,10 @@ Two nodes with 8 GPUs each (run on every node; same ``--rdzv-id`` and endpoint):
 
 ``launch.nproc_per_node × launch.nnodes`` must equal the number of workers, since it sets
 the batch layout. Metrics go to the MLflow run named by ``MLFLOW_RUN_ID`` (with
-``MLFLOW_TRACKING_URI``) when set; a run is never started here. With
-``checkpoint.resume: auto`` a restarted worker group continues from the latest checkpoint.
+``MLFLOW_TRACKING_URI``) when set; a run is never started here. Checkpoints go to
+``checkpoint.folder`` as given (the Kedro node passes ``<root>/<run id>``);
+``checkpoint.resume`` (``never``, ``latest``, a folder name or a path) is resolved there,
+and a worker group that torchrun restarts continues from that folder's latest checkpoint.
 """
 
 from __future__ import annotations
