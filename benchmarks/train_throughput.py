@@ -1,35 +1,50 @@
-"""Training-step throughput on CPU: our trainer vs transformers' DeepseekV2ForCausalLM.
+"""Training-step throughput on CPU: our trainer vs transformers, at the same precision.
 
-Both start from the same weights (ours converted with the spec's state-dict adapter), see
-the same batches, and run a full training step: forward, cross-entropy, backward,
-gradient clipping and AdamW. Ours is ``Trainer.train_step`` itself (one-rank FSDP2, the
-fused chunked output-projection + cross-entropy, fused AdamW, MoE bias update);
-transformers runs eager PyTorch with the usual full-logits loss and torch's default
-AdamW, as its Trainer would.
+Four runners start from the same weights (ours converted with the spec's state-dict
+adapter), see the same batches and run a full training step each: forward, cross-entropy,
+backward, gradient clipping and AdamW.
 
-Fairness: our workers tell glibc to keep freed memory mapped (``keep_freed_memory_mapped``,
-process-wide). transformers is therefore timed twice: first alone with the default
-allocator (how its users run it), then with the same allocator setting as ours and
-stepped in turn with our runs, so load drift on a shared machine hits all alike. The
-headline ``hf_tps`` / ``ratio`` use that second, allocator-neutral run (the stricter
-baseline); the default-allocator figure is reported as ``hf_default_tps``.
+- ``ours_bf16``: ``Trainer.train_step`` with ``training.mixed_precision_cpu`` (bf16
+  matmuls, fp32 master weights, optimizer state and loss math), ``training.compile``
+  (regional: each block and the fused loss's chunk; compiling happens in the warm-up
+  rounds, which are not timed; ``--training compile=false`` for eager) and document
+  masking (the token stream holds documents; transformers attends across them, which
+  is less work);
+- ``ours_fp32``: the same trainer in float32;
+- ``hf_bf16``: transformers' ``DeepseekV2ForCausalLM`` (sdpa attention, its default)
+  with forward and loss under ``torch.autocast("cpu", dtype=torch.bfloat16)``, which is
+  what its ``Trainer`` does with ``bf16=True``; fp32 master weights;
+- ``hf_fp32``: the same model in float32.
 
-Dtype policy: ours is timed in bf16 compute (``training.mixed_precision_cpu``: FSDP2 mixed
-precision with fp32 master weights, optimizer and loss math, bf16 matmuls) and in fp32;
-transformers in fp32 (its default training dtype). The headline ratio is ours-bf16 /
-transformers-fp32; the same-dtype ratio (both fp32) is reported too. MFU is against the
-measured matmul rate of the dtype we compute in.
+transformers gets the optimizer its ``Trainer`` picks by default on torch >= 2.8
+(``adamw_torch_fused``: fused ``torch.optim.AdamW``) and ``torch.nn.utils.clip_grad_norm_``.
+
+Like with like: every runner lives in this one process, so the allocator setting (glibc
+keeps freed memory mapped, ``keep_freed_memory_mapped``, which our workers also use) and
+the thread count are the same for all. The runners step in turn (one step each per
+round), so load drift on a shared machine hits all alike; each ratio is the median over
+rounds of the per-round ratio (paired), the tokens/s figures are medians of step times.
+The load average is printed with the result.
+
+Headline ``ratio`` = ours bf16 / transformers bf16; ``fp32_ratio`` = ours fp32 /
+transformers fp32. ``mfu_pct`` is ours bf16 against the bf16 matmul rate measured in this
+run (``peak_tflops``, the best of six 1024² matmul measurements around the rounds);
+``mfu_fp32_pct`` ours fp32 against the fp32 rate.
 
     .venv/bin/python benchmarks/train_throughput.py            # debugmodel, batch 4 × 256
+    .venv/bin/python benchmarks/train_throughput.py --quick    # fewer rounds (about 1 min)
 
-The last line is one JSON object: ours_tps, hf_tps, ratio, mfu_pct, dtype and more.
+The last line is one JSON object: ours_tps, hf_tps, ratio, dtype, ours_fp32_tps,
+hf_fp32_tps, fp32_ratio, mfu_pct, peak_tflops and more.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -42,36 +57,42 @@ import torch.nn.functional as F
 from titan_kedro.config import resolve_job_config
 from titan_kedro.data.loader import TokenLoader
 from titan_kedro.train.device import keep_freed_memory_mapped
-from titan_kedro.train.grad_clip import clip_grad_norm_
 from titan_kedro.train.metrics import measure_matmul_tflops
 from titan_kedro.train.trainer import Trainer, build_model
 
 
-def write_tokens(folder: Path, vocab: int, n_tokens: int, seed: int = 0) -> Path:
-    """Random uint32 token files (throughput does not depend on the text)."""
+def write_tokens(folder: Path, vocab: int, n_tokens: int, bos: int, seed: int = 0) -> Path:
+    """Random token files packed as ``BOS doc EOS BOS doc EOS …`` (documents of 40–400 tokens)."""
     rng = np.random.default_rng(seed)
     folder.mkdir(parents=True, exist_ok=True)
     for split in ("train", "validation"):
-        rng.integers(0, vocab, n_tokens, dtype=np.uint32).astype("<u4").tofile(
-            folder / f"{split}.bin"
-        )
+        tokens = rng.integers(2, vocab, n_tokens, dtype=np.uint32)
+        starts = np.cumsum(rng.integers(40, 400, n_tokens // 40))
+        tokens[starts[starts < n_tokens]] = bos
+        tokens.astype("<u4").tofile(folder / f"{split}.bin")
+    # The BOS id lets our trainer find the documents (training.document_masking).
+    (folder / "metadata.json").write_text(json.dumps({"vocab_size": vocab, "bos_id": bos}))
     return folder
 
 
 def job(tmp: Path, tokens: Path, args: argparse.Namespace, bf16: bool) -> dict[str, Any]:
+    training: dict[str, Any] = {
+        "steps": 1000,
+        "seq_len": args.seq_len,
+        "local_batch_size": args.batch,
+        "device": "cpu",
+        "num_threads": args.threads,
+        "mixed_precision_cpu": bf16,
+        "mixed_precision_param": "bfloat16",
+        "compile": True,
+    }
+    for key, value in args.training:
+        training[key] = value
     return {
         "job": {"seed": 0, "dump_folder": str(tmp / "job")},
         "data": {"token_dir": str(tokens)},
         "model": {"name": "deepseek_v2", "flavor": args.flavor},
-        "training": {
-            "steps": 1000,
-            "seq_len": args.seq_len,
-            "local_batch_size": args.batch,
-            "device": "cpu",
-            "num_threads": args.threads,
-            "mixed_precision_cpu": bf16,
-            "mixed_precision_param": "bfloat16",
-        },
+        "training": training,
         "optimizer": {"lr": 1e-4},
         "lr_scheduler": {"warmup_steps": 0},
         "checkpoint": {"enable": False, "resume": "never", "folder": str(tmp / "ckpt")},
@@ -80,7 +101,7 @@ def job(tmp: Path, tokens: Path, args: argparse.Namespace, bf16: bool) -> dict[s
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded copies of a (one-rank FSDP) model's tensors."""
+    """Unsharded float32 copies of a model's tensors."""
     out = {}
     for name, value in model.state_dict().items():
         full = value.full_tensor() if hasattr(value, "full_tensor") else value
@@ -100,7 +121,7 @@ class OursRunner:
 
 
 class HFRunner:
-    """transformers' DeepseekV2ForCausalLM trained the plain PyTorch way."""
+    """transformers' DeepseekV2ForCausalLM trained as its Trainer would (fp32 or autocast bf16)."""
 
     def __init__(
         self,
@@ -109,6 +130,8 @@ class HFRunner:
         weights: dict[str, torch.Tensor],
         tokens: np.ndarray,
         args: argparse.Namespace,
+        *,
+        bf16: bool,
     ):
         from transformers import DeepseekV2ForCausalLM
 
@@ -121,9 +144,10 @@ class HFRunner:
             raise RuntimeError(
                 f"weight conversion mismatch: missing {missing}, unexpected {unexpected}"
             )
-        # What transformers' Trainer builds by default ("adamw_torch"): torch's AdamW.
+        self.bf16 = bf16
+        # transformers' Trainer default on torch >= 2.8 ("adamw_torch_fused").
         self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1
+            self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True
         )
         self.loader = TokenLoader(
             tokens,
@@ -137,18 +161,22 @@ class HFRunner:
     def step(self) -> float:
         inputs, labels = next(self.loader)
         self.opt.zero_grad(set_to_none=True)
-        logits = self.model(input_ids=inputs).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        autocast = (
+            torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+        )
+        with autocast:
+            logits = self.model(input_ids=inputs).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
         loss.backward()
-        clip_grad_norm_(list(self.model.parameters()), 1.0)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         return loss.item()
 
 
 def timed_rounds(
     runners: dict[str, Any], warmup: int, steps: int
-) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """Median step time of each runner, stepping them in turn (load drift hits all alike)."""
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Step times and losses of each runner, one step each per round (load drift hits all alike)."""
     times: dict[str, list[float]] = {name: [] for name in runners}
     losses: dict[str, list[float]] = {name: [] for name in runners}
     for round_index in range(warmup + steps):
@@ -157,7 +185,22 @@ def timed_rounds(
             losses[name].append(runner.step())
             if round_index >= warmup:
                 times[name].append(time.perf_counter() - start)
-    return {name: float(np.median(t)) for name, t in times.items()}, losses
+    return times, losses
+
+
+def best_matmul_rate(dtype: torch.dtype, tries: int = 3) -> float:
+    """Best of a few 1024² matmul rate measurements, TFLOP/s (the MFU denominator)."""
+    return max(measure_matmul_tflops(dtype, "cpu", min_seconds=0.5) for _ in range(tries))
+
+
+def paired_ratio(slow: list[float], fast: list[float]) -> float:
+    """Median over rounds of ``slow_time / fast_time`` (a throughput ratio fast / slow)."""
+    return float(np.median(np.asarray(slow) / np.asarray(fast)))
+
+
+def parse_training_override(text: str) -> tuple[str, Any]:
+    key, _, value = text.partition("=")
+    return key, json.loads(value) if value[:1] in '0123456789-[{tf"n' else value
 
 
 def main() -> None:
@@ -166,91 +209,112 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
+    parser.add_argument("--steps", type=int, default=7, help="timed rounds (medians reported)")
+    parser.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed rounds")
     parser.add_argument("--threads", type=int, default=0, help="0 = all cores")
+    parser.add_argument(
+        "--training",
+        type=parse_training_override,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra training-section setting for our runners, e.g. compile=true",
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.warmup, args.steps = 1, 3
 
+    keep_freed_memory_mapped()  # for every runner: they all live in this process
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         resolved = resolve_job_config(job(tmp, tmp, args, False))
         vocab = resolved.model_args.vocab_size
         n_windows = 2 * (args.warmup + args.steps + 2)
         tokens_dir = write_tokens(
-            tmp / "tokens", vocab, args.batch * (args.seq_len + 1) * n_windows
+            tmp / "tokens", vocab, args.batch * (args.seq_len + 1) * n_windows, bos=0
         )
         tokens = np.fromfile(tokens_dir / "train.bin", dtype="<u4")
         weights = full_state(
             build_model(resolved.spec, resolved.model_args, 0, torch.device("cpu"))
         )
-
-        default_times, _ = timed_rounds(
-            {"hf": HFRunner(resolved.spec, resolved.model_args, weights, tokens, args)},
-            args.warmup,
-            args.steps,
-        )
-        keep_freed_memory_mapped()
-        runners = {
+        runners: dict[str, Any] = {
             "ours_bf16": OursRunner(job(tmp / "bf16", tokens_dir, args, True)),
+            "hf_bf16": HFRunner(
+                resolved.spec, resolved.model_args, weights, tokens, args, bf16=True
+            ),
             "ours_fp32": OursRunner(job(tmp / "fp32", tokens_dir, args, False)),
-            "hf": HFRunner(resolved.spec, resolved.model_args, weights, tokens, args),
+            "hf_fp32": HFRunner(
+                resolved.spec, resolved.model_args, weights, tokens, args, bf16=False
+            ),
         }
         del weights
+        # Our Trainer sets the thread count when built; the same count then holds for all.
+        threads = torch.get_num_threads()
+        # The matmul rate is measured three times before and after the rounds; the best
+        # counts (a busy machine only lowers it, so the MFU quoted is the conservative one).
+        peak_bf16, peak_fp32 = best_matmul_rate(torch.bfloat16), best_matmul_rate(torch.float32)
         times, losses = timed_rounds(runners, args.warmup, args.steps)
         flops_tok = runners["ours_bf16"].flops_per_token
+        masking = runners["ours_bf16"].trainer.document_bos is not None
         runners["ours_bf16"].trainer.close()
-        peak_bf16 = measure_matmul_tflops(torch.bfloat16, "cpu", min_seconds=1.0)
-        peak_fp32 = measure_matmul_tflops(torch.float32, "cpu", min_seconds=1.0)
+        peak_bf16 = max(peak_bf16, best_matmul_rate(torch.bfloat16))
+        peak_fp32 = max(peak_fp32, best_matmul_rate(torch.float32))
+    load_after = os.getloadavg()
 
     n_tok = args.batch * args.seq_len
-    tps = {name: n_tok / t for name, t in times.items()}
-    hf_default_tps = n_tok / default_times["hf"]
+    tps = {name: n_tok / float(np.median(t)) for name, t in times.items()}
+    ratio = paired_ratio(times["hf_bf16"], times["ours_bf16"])
+    fp32_ratio = paired_ratio(times["hf_fp32"], times["ours_fp32"])
     mfu = 100 * tps["ours_bf16"] * flops_tok / 1e12 / peak_bf16
     mfu32 = 100 * tps["ours_fp32"] * flops_tok / 1e12 / peak_fp32
-    ratio, same_dtype = tps["ours_bf16"] / tps["hf"], tps["ours_fp32"] / tps["hf"]
+    hf_mfu = 100 * tps["hf_bf16"] * flops_tok / 1e12 / peak_bf16
+    extra = ", ".join(f"{k}={v}" for k, v in args.training) or "defaults"
     print(
-        f"model deepseek_v2/{args.flavor}, batch {args.batch} × {args.seq_len}, "
-        f"{torch.get_num_threads()} threads, median of {args.steps} steps after {args.warmup} warm-up"
+        f"model deepseek_v2/{args.flavor}, batch {args.batch} × {args.seq_len}, {threads} threads, "
+        f"median of {args.steps} rounds after {args.warmup} warm-up; our training settings: "
+        f"{extra}; our document masking {'on' if masking else 'off'} (transformers: none)"
     )
     print(
-        f"first-step loss: ours fp32 {losses['ours_fp32'][0]:.5f}, ours bf16 "
-        f"{losses['ours_bf16'][0]:.5f}, transformers fp32 {losses['hf'][0]:.5f}"
+        f"load average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f}; "
+        f"matmul rate: bf16 {peak_bf16 * 1e3:.0f} GFLOP/s, fp32 {peak_fp32 * 1e3:.0f} GFLOP/s"
     )
     print(
-        f"measured matmul peak: bf16 {peak_bf16 * 1e3:.0f} GFLOP/s, fp32 {peak_fp32 * 1e3:.0f} GFLOP/s"
+        "first-step loss: "
+        + ", ".join(f"{name} {values[0]:.5f}" for name, values in losses.items())
     )
+    for name in runners:
+        print(f"  {name:10s} {tps[name]:8.1f} tok/s  step {float(np.median(times[name])):.3f}s")
     print(
-        f"ours (bf16 compute):  {tps['ours_bf16']:7.1f} tok/s  step {times['ours_bf16']:.3f}s  "
-        f"MFU {mfu:.1f}% of the bf16 peak"
+        f"ratio (paired) bf16 ours/transformers {ratio:.2f}; fp32 {fp32_ratio:.2f}; "
+        f"MFU ours bf16 {mfu:.1f}% (transformers {hf_mfu:.1f}%) of the bf16 rate, "
+        f"ours fp32 {mfu32:.1f}% of the fp32 rate"
     )
-    print(
-        f"ours (fp32):          {tps['ours_fp32']:7.1f} tok/s  step {times['ours_fp32']:.3f}s  "
-        f"MFU {mfu32:.1f}% of the fp32 peak"
-    )
-    print(f"transformers (fp32):  {tps['hf']:7.1f} tok/s  step {times['hf']:.3f}s")
-    print(f"transformers (fp32, default allocator, timed alone first): {hf_default_tps:7.1f} tok/s")
-    print(
-        f"ratio ours-bf16 / transformers-fp32 {ratio:.2f}; same dtype (fp32/fp32) {same_dtype:.2f}; "
-        f"against the default-allocator run {tps['ours_bf16'] / hf_default_tps:.2f} / "
-        f"{tps['ours_fp32'] / hf_default_tps:.2f}"
-    )
-    if not math.isclose(losses["ours_fp32"][0], losses["hf"][0], rel_tol=1e-3):
-        print("WARNING: the first-step losses differ; the weight conversion may be wrong")
+    if not math.isclose(losses["ours_fp32"][0], losses["hf_fp32"][0], rel_tol=1e-3):
+        print("WARNING: the fp32 first-step losses differ; the weight conversion may be wrong")
+    if not math.isclose(losses["ours_bf16"][0], losses["hf_bf16"][0], rel_tol=1e-2):
+        print("WARNING: the bf16 first-step losses differ by more than bf16 rounding")
     print(
         json.dumps(
             {
                 "ours_tps": round(tps["ours_bf16"], 1),
-                "hf_tps": round(tps["hf"], 1),
+                "hf_tps": round(tps["hf_bf16"], 1),
                 "ratio": round(ratio, 3),
-                "mfu_pct": round(mfu, 2),
-                "dtype": "ours bfloat16 compute (fp32 master weights), transformers float32",
+                "dtype": "bfloat16 compute, fp32 master weights (transformers: autocast bf16)",
                 "ours_fp32_tps": round(tps["ours_fp32"], 1),
-                "same_dtype_ratio": round(same_dtype, 3),
+                "hf_fp32_tps": round(tps["hf_fp32"], 1),
+                "fp32_ratio": round(fp32_ratio, 3),
+                "mfu_pct": round(mfu, 2),
+                "peak_tflops": round(peak_bf16, 4),
                 "mfu_fp32_pct": round(mfu32, 2),
-                "hf_default_tps": round(hf_default_tps, 1),
-                "peak_gflops_bf16": round(peak_bf16 * 1e3),
-                "peak_gflops_fp32": round(peak_fp32 * 1e3),
-                "first_loss_ours_fp32": round(losses["ours_fp32"][0], 5),
-                "first_loss_hf_fp32": round(losses["hf"][0], 5),
+                "peak_fp32_tflops": round(peak_fp32, 4),
+                "threads": threads,
+                "rounds": args.steps,
+                "loadavg_before": round(load_before[0], 2),
+                "loadavg_after": round(load_after[0], 2),
+                "training_overrides": dict(args.training),
+                "ours_document_masking": masking,
+                "first_loss": {k: round(v[0], 5) for k, v in losses.items()},
             }
         )
     )

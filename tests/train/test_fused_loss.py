@@ -52,6 +52,28 @@ def test_bfloat16_weight_matches_the_autocast_style_reference() -> None:
     torch.testing.assert_close(gw.float(), rw.float(), rtol=2e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_chunk_matches_eager(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 24, 32, requires_grad=True)
+    weight = torch.randn(300, 32, dtype=dtype).mul(0.2).requires_grad_()
+    labels = torch.randint(0, 300, (2, 24))
+    labels[1, 5] = IGNORE_INDEX
+    eager = linear_cross_entropy(hidden, weight, labels, chunk_size=16)
+    compiled = linear_cross_entropy(hidden, weight, labels, chunk_size=16, compile=True)
+    grads_eager = torch.autograd.grad(eager, (hidden, weight))
+    grads_compiled = torch.autograd.grad(compiled, (hidden, weight))
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-3}
+    torch.testing.assert_close(compiled, eager, **tol)
+    for got, want in zip(grads_compiled, grads_eager):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            linear_cross_entropy(hidden, weight, labels, chunk_size=16, compile=True), eager, **tol
+        )
+
+
 def test_no_grad_gives_the_loss_only() -> None:
     hidden, weight = torch.randn(4, 8), torch.randn(10, 8)
     labels = torch.randint(0, 10, (4,))

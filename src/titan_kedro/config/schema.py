@@ -133,7 +133,10 @@ class TrainingSection(Section):
     activation_checkpoint: Literal["none", "selective", "full"] = "none"
     """Recompute activations in backward: none, every other block (selective), or every block."""
     compile: bool = False
-    """Wrap each transformer block in ``torch.compile``."""
+    """``torch.compile`` each transformer block and the fused loss's per-chunk softmax."""
+    document_masking: bool = True
+    """Attend only within each document of a packed window (documents start at the token
+    metadata's ``bos_id``) and restart RoPE positions there."""
     deterministic: bool = False
     """Use deterministic algorithms (slower on GPU)."""
     num_threads: int = Field(0, ge=0)

@@ -11,6 +11,13 @@ because checkpoints disagree on which channels form a pair:
 
 Frequency scalings: Llama 3 (long wavelengths slowed down, smooth in between) and YaRN
 (NTK-by-parts interpolation plus an attention-temperature factor ``mscale``).
+
+Document masking (packed windows ``BOS doc EOS BOS doc EOS …``): ``document_positions``
+gives each token its position inside its document and a document id; a model's
+``forward(tokens, positions=..., document_ids=...)`` then restarts RoPE at every document
+and lets a token attend only to earlier tokens of its own document
+(``document_mask`` + ``attention``: SDPA with a block-diagonal causal mask, or
+FlexAttention with a block mask on CUDA).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -199,12 +207,15 @@ def precompute_freqs_cis(
 
 
 def _broadcast_freqs(freqs_cis: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    # x: [batch, seq, heads, pairs]; freqs_cis: [>= seq, pairs] -> [1, seq, 1, pairs]
+    # x: [batch, seq, heads, pairs]; freqs_cis: [>= seq, pairs] -> [1, seq, 1, pairs], or
+    # per-token rotations [batch, seq, pairs] (rotary_for) -> [batch, seq, 1, pairs]
     if not freqs_cis.is_complex():
         raise TypeError(
             f"freqs_cis must be complex (from precompute_freqs_cis), got {freqs_cis.dtype}; "
             "a cast such as model.to(torch.bfloat16) may have turned it real"
         )
+    if freqs_cis.ndim == 3:
+        return freqs_cis.unsqueeze(2)
     seq = x.shape[1]
     if freqs_cis.shape[0] < seq:
         raise ValueError(
@@ -252,3 +263,106 @@ class RotaryTableModule(nn.Module):
             with torch.device(self.freqs_cis.device):
                 self.freqs_cis = self._rotary_table()
         return result
+
+
+def document_positions(tokens: torch.Tensor, bos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions inside each document and document ids of a packed ``[batch, seq]`` window.
+
+    A document starts at every ``bos_id`` token and at the start of the window (the tail
+    of a document cut by the window edge counts as one).
+
+    Returns:
+        ``(positions, document_ids)``, both ``torch.long`` ``[batch, seq]``: positions
+        restart at 0 at every document start; ids number the documents of a row from 0
+        (only equality of ids matters).
+    """
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+    index = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    starts = tokens == bos_id
+    starts[:, 0] = True
+    document_ids = starts.long().cumsum(1) - 1
+    start_of_doc = torch.where(starts, index, torch.zeros_like(index)).cummax(1).values
+    return index - start_of_doc, document_ids
+
+
+def rotary_for(freqs_cis: torch.Tensor, positions: torch.Tensor | None, seq: int) -> torch.Tensor:
+    """The rotations a model applies: ``freqs_cis[:seq]``, or per token ``freqs_cis[positions]``."""
+    if positions is None:
+        return freqs_cis
+    if positions.shape[1] != seq:
+        raise ValueError(f"positions {tuple(positions.shape)} do not match {seq} tokens per row")
+    return freqs_cis[positions]
+
+
+AttentionMask = Any
+"""``None`` (plain causal), a bool ``[batch, 1, q, kv]`` tensor (True = may attend), or a
+FlexAttention ``BlockMask``."""
+
+
+def document_mask(document_ids: torch.Tensor, *, flex: bool | None = None) -> AttentionMask:
+    """Causal attention within documents, for every layer of one forward.
+
+    Args:
+        document_ids: ``[batch, seq]`` from ``document_positions``.
+        flex: Build a FlexAttention ``BlockMask`` (default: on CUDA when available; its
+            backward needs CUDA). Otherwise a dense block-diagonal causal bool mask for SDPA.
+    """
+    if flex is None:
+        flex = document_ids.device.type == "cuda" and _flex_attention() is not None
+    batch, seq = document_ids.shape
+    if flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            same = document_ids[b, q_idx] == document_ids[b, kv_idx]
+            return (q_idx >= kv_idx) & same
+
+        return create_block_mask(
+            mask_mod, batch, None, seq, seq, device=document_ids.device, _compile=True
+        )
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    same = document_ids[:, :, None] == document_ids[:, None, :]
+    return (same & causal)[:, None]
+
+
+_FLEX: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def _flex_attention() -> Callable[..., torch.Tensor] | None:
+    # FlexAttention is only fast compiled (its eager path materialises the scores).
+    if "fn" not in _FLEX:
+        try:
+            from torch.nn.attention.flex_attention import flex_attention
+        except ImportError:
+            return None
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["fn"]
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: AttentionMask = None,
+    *,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Causal attention of ``[batch, heads, seq, dim]`` tensors under ``mask``.
+
+    ``None`` is plain causal attention (SDPA ``is_causal``), a tensor is an SDPA bool
+    mask, and a ``BlockMask`` runs FlexAttention.
+    """
+    if mask is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa
+        )
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+        )
+    flex_attention = _flex_attention()
+    if flex_attention is None:
+        raise RuntimeError("a BlockMask was given but this torch has no FlexAttention")
+    return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa)

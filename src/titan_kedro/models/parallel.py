@@ -99,6 +99,20 @@ def apply_fsdp(
         if before_block is not None:
             before_block(block, kwargs)
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    embeddings = getattr(model, "tok_embeddings", None)
+    if isinstance(embeddings, nn.Embedding) and param_dtype != torch.float32:
+        # A lookup reads a few rows: casting the whole table to param_dtype every step
+        # (and its gradient back) costs more than the lookup. Keep it in float32 (as
+        # autocast does) and hand its output on in param_dtype.
+        policy = MixedPrecisionPolicy(
+            param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=param_dtype
+        )
+        fully_shard(
+            embeddings,
+            mesh=dp_mesh,
+            mp_policy=policy,
+            reshard_after_forward=reshard_after_forward,
+        )
     # The root (embeddings, final norm, output) is needed again at once by backward.
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model

@@ -7,6 +7,12 @@ loss and — when gradients are needed — the gradients of the hidden states an
 projection weight right away (the same three matmuls autograd would run), keeping only
 those gradients for backward. Chunk buffers are reused across chunks and steps.
 
+The per-chunk softmax / gradient arithmetic is memory-bound: eager PyTorch makes about
+eight passes over the ``chunk × vocab`` logits (cast, max, subtract, exp, sum, scale,
+one-hot, cast back). With ``compile=True`` it runs as one ``torch.compile``d function
+(inductor fuses it into a row reduction and one pointwise pass; bf16 logits are read
+once and the bf16 gradient written once), about 5× faster on CPU.
+
 ``defer_output_projection(model)`` makes a model's ``output`` layer pass hidden states
 through, so ``model(tokens)`` returns ``[b, s, dim]`` and the loss applies the
 projection; ``FusedOutputLoss`` is that loss.
@@ -26,6 +32,37 @@ from titan_kedro.train.loss import IGNORE_INDEX
 _BUFFERS: dict[tuple[Any, ...], torch.Tensor] = {}
 
 
+def _chunk_loss_and_grad(
+    low: torch.Tensor, target: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row ``lse - target_logit`` and ``scale · (softmax − one-hot)`` in ``low``'s dtype."""
+    logits = low.float()
+    row_max = logits.amax(1, keepdim=True)
+    exp = (logits - row_max).exp()
+    sum_exp = exp.sum(1, keepdim=True)
+    row_loss = (row_max + sum_exp.log()).squeeze(1) - logits.gather(1, target[:, None]).squeeze(1)
+    columns = torch.arange(logits.shape[1], device=low.device)
+    one_hot = columns[None, :] == target[:, None]
+    grad = exp * (scale[:, None] / sum_exp) - one_hot * scale[:, None]
+    return row_loss, grad.to(low.dtype)
+
+
+def _chunk_loss(low: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-row ``lse - target_logit`` (no gradient)."""
+    logits = low.float()
+    return torch.logsumexp(logits, 1) - logits.gather(1, target[:, None]).squeeze(1)
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _compiled(name: str) -> Any:
+    if name not in _COMPILED:
+        fn = _chunk_loss_and_grad if name == "grad" else _chunk_loss
+        _COMPILED[name] = torch.compile(fn, dynamic=False)
+    return _COMPILED[name]
+
+
 def _buffer(
     name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
@@ -42,12 +79,13 @@ def _buffer(
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(  # type: ignore[override]  # noqa: PLR0917
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
         labels: torch.Tensor,
         chunk_size: int,
+        compile: bool = False,
     ) -> torch.Tensor:
         dtype = weight.dtype
         h = hidden.to(dtype)
@@ -62,12 +100,28 @@ class _LinearCrossEntropy(torch.autograd.Function):
         )
         need_grad = grad_h is not None or grad_w is not None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
+        # Equal chunks, so a compiled chunk function sees one shape (two at most).
+        chunk_size = -(-n_tokens // -(-n_tokens // chunk_size)) if n_tokens else chunk_size
         for start in range(0, n_tokens, chunk_size):
             stop = min(start + chunk_size, n_tokens)
             rows = stop - start
             hc, yc, valid = h[start:stop], labels[start:stop], valid_all[start:stop]
             low = _buffer("logits_low", (rows, vocab), dtype, h.device)
             torch.mm(hc, weight.t(), out=low)
+            if compile:
+                target = yc.clamp_min(0)
+                if not need_grad:
+                    total += (_compiled("loss")(low, target) * valid).sum()
+                    continue
+                row_loss, grad = _compiled("grad")(low, target, valid.to(torch.float32) / n_valid)
+                total += (row_loss * valid).sum()
+                if grad_h is not None:
+                    torch.mm(grad, weight, out=grad_h[start:stop])
+                if grad_w is not None and dtype == torch.float32:
+                    grad_w.addmm_(grad.t(), hc)
+                elif grad_w is not None:
+                    grad_w.add_(grad.t() @ hc)
+                continue
             if dtype == torch.float32:
                 logits = low
             else:
@@ -93,7 +147,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad.copy_(logits)
             if grad_h is not None:
                 torch.mm(grad, weight, out=grad_h[start:stop])
-            if grad_w is not None:
+            if grad_w is not None and dtype == torch.float32:
+                grad_w.addmm_(grad.t(), hc)
+            elif grad_w is not None:
                 grad_w.add_(grad.t() @ hc)
         ctx.save_for_backward(
             grad_h if grad_h is not None else torch.empty(0),
@@ -113,12 +169,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
             else None
         )
         gw = grad_w.mul_(grad_out).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None
+        return gh, gw, None, None, None
 
 
 def default_chunk_size(vocab_size: int) -> int:
-    """Tokens per chunk: about 2**25 logits (128 MiB in float32), at least 16 tokens."""
-    return max(16, (1 << 25) // max(1, vocab_size))
+    """Tokens per chunk: about 2**26 logits (256 MiB in float32), at least 16 tokens.
+
+    Larger chunks make better matmuls (on a 2-core CPU 512 × 102,400 chunks beat 256 × by
+    15-25 % per step); the chunk buffers are allocated once.
+    """
+    return max(16, (1 << 26) // max(1, vocab_size))
 
 
 def linear_cross_entropy(
@@ -126,6 +186,7 @@ def linear_cross_entropy(
     weight: torch.Tensor,
     labels: torch.Tensor,
     chunk_size: int | None = None,
+    compile: bool = False,
 ) -> torch.Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` against ``labels``, chunked over tokens.
 
@@ -134,7 +195,9 @@ def linear_cross_entropy(
         weight: ``[vocab, dim]`` output projection (a plain tensor, e.g. FSDP's unsharded
             parameter during forward/backward).
         labels: ``[...]`` token ids; ``IGNORE_INDEX`` positions are skipped.
-        chunk_size: Tokens per chunk (default: ``default_chunk_size(vocab)``).
+        chunk_size: Tokens per chunk (default: ``default_chunk_size(vocab)``); the tokens
+            are split into equal chunks of at most this many.
+        compile: Run the per-chunk softmax and gradient as one ``torch.compile``d function.
 
     Returns:
         A scalar float32 tensor, equal to ``F.cross_entropy`` on the full logits up to
@@ -152,7 +215,7 @@ def linear_cross_entropy(
         )
     chunk = chunk_size or default_chunk_size(weight.shape[0])
     return _LinearCrossEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk
+        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk, compile
     )
 
 
@@ -185,9 +248,12 @@ def defer_output_projection(model: nn.Module) -> nn.Linear:
 class FusedOutputLoss:
     """``loss(hidden, labels)`` for a model whose output projection was deferred."""
 
-    def __init__(self, output: nn.Linear, chunk_size: int | None = None):
+    def __init__(self, output: nn.Linear, chunk_size: int | None = None, compile: bool = False):
         self.output = output
         self.chunk_size = chunk_size
+        self.compile = compile
 
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return linear_cross_entropy(hidden, self.output.weight, labels, self.chunk_size)
+        return linear_cross_entropy(
+            hidden, self.output.weight, labels, self.chunk_size, compile=self.compile
+        )

@@ -1,28 +1,39 @@
-"""Gradient clipping by the true global norm over sharded (DTensor) gradients.
+"""Gradient clipping by the true global norm over sharded (DTensor) gradients, one reduction.
 
-Under FSDP2 every gradient is a ``DTensor`` whose local shard holds part of the
-gradient; expert-parallel gradients may live on a different mesh than dense ones. The
-norm is computed per mesh (``get_total_norm`` on DTensors gives a partial result that
-``full_tensor()`` reduces over that mesh), then the per-mesh norms are combined.
-Plain-tensor gradients are taken as replicated (the same on every rank).
+Under FSDP2 every gradient is a ``DTensor`` whose local shard holds part of the gradient;
+expert-parallel gradients live on a different mesh than dense ones, and under HSDP a
+shard is held by several replicas. Every rank sums ``|g|^p`` over its local shards, each
+shard weighted by ``1 / (copies of that shard in the world)`` (``world / product of the
+mesh sizes of its Shard dims``; plain tensors count as replicated on every rank), and a
+single all-reduce over the whole world (the flattened mesh) gives ``Σ |g|^p`` over the
+full gradients (max for the inf norm). Clipping then scales the local shards in place,
+so no DTensor dispatch (and no DTensor warning about mixing meshes) is involved.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def _by_mesh(params: Iterable[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
-    groups: dict[object, list[torch.Tensor]] = {}
-    for param in params:
-        if param.grad is None:
-            continue
-        key = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
-        groups.setdefault(key, []).append(param)
-    return groups
+def _local_and_copies(grad: torch.Tensor, world: int) -> tuple[torch.Tensor, int]:
+    if not isinstance(grad, DTensor):
+        return grad, world
+    if any(placement.is_partial() for placement in grad.placements):
+        raise ValueError(
+            "clip_grad_norm_ got a Partial (not yet reduced) DTensor gradient; clip after "
+            "the gradient reduction (FSDP's backward), not before"
+        )
+    shards = math.prod(
+        grad.device_mesh.size(dim)
+        for dim, placement in enumerate(grad.placements)
+        if placement.is_shard()
+    )
+    return grad.to_local(), world // shards
 
 
 def clip_grad_norm_(
@@ -40,23 +51,39 @@ def clip_grad_norm_(
         foreach: Use the foreach kernels (None: torch decides).
 
     Returns:
-        A plain scalar tensor with the norm over the full (unsharded) gradients, the same
-        on every rank; it may be ``nan``/``inf`` (then the gradients are left unchanged by
-        the caller's choice to skip the step).
+        A plain float32 scalar tensor with the norm over the full (unsharded) gradients,
+        the same on every rank; it may be ``nan``/``inf`` (then the gradients are left
+        unchanged, and the caller skips the step).
     """
-    groups = _by_mesh(parameters)
-    if not groups:
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
         return torch.tensor(0.0)
-    norms = []
-    for params in groups.values():
-        grads = [p.grad for p in params]
-        norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        norms.append(norm)
-    device = norms[0].device
-    total = torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    by_copies: dict[int, list[torch.Tensor]] = {}
+    for grad in grads:
+        local, copies = _local_and_copies(grad, world)
+        if local.numel():
+            by_copies.setdefault(copies, []).append(local)
+    device = grads[0].device
+    norm_type = float(norm_type)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for copies, locals_ in by_copies.items():
+        norm = torch.nn.utils.get_total_norm(locals_, norm_type, foreach=foreach).float()
+        if math.isinf(norm_type):
+            total = torch.maximum(total, norm)
+        else:
+            total = total + norm.pow(norm_type) / copies
+    if world > 1:
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        dist.all_reduce(total, op=op)
+    if not math.isinf(norm_type):
+        total = total.pow(1.0 / norm_type)
     if max_norm > 0 and torch.isfinite(total):
-        for params in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        local_grads = [g for group in by_copies.values() for g in group]
+        if foreach is not False:
+            torch._foreach_mul_(local_grads, coef)
+        else:
+            for grad in local_grads:
+                grad.mul_(coef)
     return total

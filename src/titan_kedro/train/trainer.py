@@ -29,6 +29,7 @@ from titan_kedro.models.registry import default_build_loss
 from titan_kedro.tracking.mlflow_logger import MlflowMetricsSink
 from titan_kedro.train.checkpoint import CheckpointManager, ModelState, rng_state, set_rng_state
 from titan_kedro.train.device import env_int, init_process_group, resolve_device, set_cpu_threads
+from titan_kedro.train.documents import document_inputs, masking_bos_id, token_metadata
 from titan_kedro.train.faults import maybe_crash
 from titan_kedro.train.fused_loss import (
     FusedOutputLoss,
@@ -124,8 +125,11 @@ class Trainer:
             and self.spec.build_loss_fn is default_build_loss
             and can_defer_output_projection(model)
         )
+        self.document_bos = masking_bos_id(cfg, model, token_metadata(cfg.data.token_dir))
         if self.fused_loss:
-            self.loss_fn = FusedOutputLoss(defer_output_projection(model))
+            self.loss_fn = FusedOutputLoss(
+                defer_output_projection(model), compile=cfg.training.compile
+            )
         self.model = self.spec.parallelize_fn(model, self.parallel_dims, cfg)
         self.model.train()
         self.model_parts = [self.model]
@@ -237,7 +241,7 @@ class Trainer:
             start = time.perf_counter()
             inputs, labels = self._next_batch()
             data_time += time.perf_counter() - start
-            ce = self.loss_fn(model(inputs), labels)
+            ce = self.loss_fn(model(inputs, **document_inputs(inputs, self.document_bos)), labels)
             loss = ce
             if hasattr(model, "moe_aux_loss"):
                 aux = model.moe_aux_loss()
@@ -298,6 +302,7 @@ class Trainer:
             n_batches=self.val_batches,
             device=self.device,
             group=self.dp_group,
+            bos_id=self.document_bos,
         )
         return {"val_loss": val_loss, "val_perplexity": perplexity(val_loss)}
 

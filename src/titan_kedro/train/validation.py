@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titan_kedro.train.documents import document_inputs
+
 logger = logging.getLogger(__name__)
 
 
@@ -49,6 +51,7 @@ def mean_loss(
     n_batches: int,
     device: torch.device | None = None,
     group: dist.ProcessGroup | None = None,
+    bos_id: int | None = None,
 ) -> tuple[float, int]:
     """Mean of ``loss_fn(model(inputs), labels)`` over the first ``n_batches`` batches.
 
@@ -67,6 +70,8 @@ def mean_loss(
             (``TokenLoader`` gives each rank the same count and never runs out); the
             result is then the mean over all ranks' batches and the tokens are counted
             over the group (one all-reduce).
+        bos_id: Document masking: split windows into documents at this token
+            (``train.documents.masking_bos_id``); None scores whole windows.
 
     Returns:
         ``(mean loss, tokens scored)``; fewer batches are used when ``batches`` runs out.
@@ -81,8 +86,9 @@ def mean_loss(
     total = torch.zeros((), device=device)
     count, tokens = 0, 0
     try:
-        for inputs, labels in itertools.islice(batches, n_batches):
-            outputs = model(inputs.to(device))
+        for batch_inputs, labels in itertools.islice(batches, n_batches):
+            inputs = batch_inputs.to(device)
+            outputs = model(inputs, **document_inputs(inputs, bos_id))
             total += loss_fn(outputs, labels.to(device)).detach().float()
             tokens += labels.numel()
             count += 1

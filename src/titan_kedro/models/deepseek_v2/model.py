@@ -24,15 +24,18 @@ RoPE pairs, float32 router, weights after the experts), so ``hf_adapter`` only r
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from titan_kedro.models.common import (
+    AttentionMask,
     FeedForward,
     RMSNorm,
     RotaryTableModule,
     apply_rotary_emb,
+    attention,
+    document_mask,
     precompute_freqs_cis,
+    rotary_for,
 )
 from titan_kedro.models.deepseek_v2.args import DeepSeekV2ModelArgs
 from titan_kedro.models.deepseek_v2.moe import MoE
@@ -68,7 +71,9 @@ class MLA(nn.Module):
             scale *= args.rope_scaling.softmax_scale_multiplier()
         self.softmax_scale = scale
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask = None
+    ) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = self.wq(x) if self.q_lora_rank is None else self.wq_b(self.q_norm(self.wq_a(x)))
         q = q.view(bsz, seq, self.n_heads, -1)
@@ -81,12 +86,8 @@ class MLA(nn.Module):
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)
 
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            is_causal=True,
-            scale=self.softmax_scale,
+        out = attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale=self.softmax_scale
         )
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
@@ -119,8 +120,10 @@ class TransformerBlock(nn.Module):
         # Deeper layers start smaller so the residual stream does not grow with depth.
         self.weight_init_std = args.initializer_range / (2 * (layer_id + 1)) ** 0.5
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask = None
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), freqs_cis, mask)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return x + ffn(self.ffn_norm(x))
 
@@ -136,7 +139,10 @@ class TransformerBlock(nn.Module):
 
 
 class DeepSeekV2Model(RotaryTableModule):
-    """DeepSeek-V2 decoder: ``model(tokens [b, s]) -> logits [b, s, vocab]`` in float32."""
+    """DeepSeek-V2 decoder: ``model(tokens [b, s]) -> logits [b, s, vocab]`` in float32.
+
+    ``model(tokens, positions, document_ids)`` masks attention to each document.
+    """
 
     def __init__(self, args: DeepSeekV2ModelArgs) -> None:
         super().__init__()
@@ -155,10 +161,25 @@ class DeepSeekV2Model(RotaryTableModule):
         a = self.args
         return precompute_freqs_cis(a.qk_rope_head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits of ``tokens`` ``[b, s]``.
+
+        Args:
+            tokens: Token ids.
+            positions: RoPE positions ``[b, s]`` (default ``0 … s-1``); from
+                ``common.document_positions`` they restart at every document.
+            document_ids: ``[b, s]``; when given a token attends only within its document.
+        """
         h = self.tok_embeddings(tokens)
+        freqs_cis = rotary_for(self.freqs_cis, positions, tokens.shape[1])
+        mask = None if document_ids is None else document_mask(document_ids)
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+            h = layer(h, freqs_cis, mask)
         return self.output(self.norm(h)).float()
 
     @torch.no_grad()

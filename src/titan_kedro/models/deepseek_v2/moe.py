@@ -92,6 +92,9 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
+    # Group sizes change every step: compiled, each new size would be a recompile. Left to
+    # eager (grouped matmuls), while regional compile fuses everything around it.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Apply expert ``e`` to its contiguous block of rows of ``x`` ``[rows, dim]``.
 

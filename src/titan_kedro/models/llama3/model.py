@@ -9,15 +9,18 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from titan_kedro.models.common import (
+    AttentionMask,
     FeedForward,
     RMSNorm,
     RotaryTableModule,
     apply_rotary_emb_half,
+    attention,
+    document_mask,
     precompute_freqs_cis,
+    rotary_for,
 )
 from titan_kedro.models.llama3.args import Llama3Args
 
@@ -35,18 +38,20 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask = None
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
         q = apply_rotary_emb_half(q, freqs_cis)
         k = apply_rotary_emb_half(k, freqs_cis)
-        out = F.scaled_dot_product_attention(
+        out = attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            is_causal=True,
+            mask,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
@@ -70,8 +75,10 @@ class TransformerBlock(nn.Module):
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.weight_init_std = 0.02 / math.sqrt(2 * depth)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -119,8 +126,17 @@ class Llama3Model(RotaryTableModule):
             self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std
         )
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits of ``tokens`` ``[b, s]``; ``positions`` / ``document_ids`` ``[b, s]`` (from
+        ``common.document_positions``) restart RoPE and mask attention per document."""
         h = self.tok_embeddings(tokens)
+        freqs_cis = rotary_for(self.freqs_cis, positions, tokens.shape[1])
+        mask = None if document_ids is None else document_mask(document_ids)
         for block in self.layers.values():
-            h = block(h, self.freqs_cis)
+            h = block(h, freqs_cis, mask)
         return self.output(self.norm(h)).float()

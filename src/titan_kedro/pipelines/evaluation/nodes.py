@@ -9,6 +9,7 @@ from titan_kedro.config import resolve_job_config
 from titan_kedro.data.loader import TokenLoader
 from titan_kedro.data.tokenizer import build_tokenizer
 from titan_kedro.train import evaluate, validation
+from titan_kedro.train.documents import masking_bos_id
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ def compute_validation_loss(
         n_batches=validation.capped_batches(
             evaluation["batches"], loader.batches_per_epoch, "evaluation.batches"
         ),
+        bos_id=masking_bos_id(cfg, final_model.model, token_files.get("metadata", {})),
     )
     eval_perplexity = validation.perplexity(eval_loss)
     logger.info(
