@@ -6,6 +6,7 @@ from kedro.config import OmegaConfigLoader
 from omegaconf.resolvers import oc
 
 from titan_kedro.hooks import ValidateJobConfigHook
+from titan_kedro.lineage_hooks import DatasetLineageHook
 from titan_kedro.mlflow_hooks import MlflowRunTagsHook
 
 # Deprecation noise from Kedro's and kedro-mlflow's own resolver registration; nothing a
@@ -13,7 +14,7 @@ from titan_kedro.mlflow_hooks import MlflowRunTagsHook
 warnings.filterwarnings("ignore", message=r"register_new_resolver\(\) is deprecated")
 
 # kedro-mlflow registers its own hooks through its entry point.
-HOOKS = (ValidateJobConfigHook(), MlflowRunTagsHook())
+HOOKS = (ValidateJobConfigHook(), MlflowRunTagsHook(), DatasetLineageHook())
 
 CONFIG_LOADER_CLASS = OmegaConfigLoader
 CONFIG_LOADER_ARGS = {

@@ -25,7 +25,7 @@ class HFCausalLM(PythonModel):
             context.artifacts["hf_folder"], dtype=torch.float32, attn_implementation="eager"
         ).eval()
 
-    def predict(self, context, model_input, params=None):  # noqa: ANN001, ANN201
+    def predict(self, context, model_input, params=None):
         import torch
 
         ids = model_input["input_ids"]
