@@ -103,3 +103,48 @@ def test_config_mismatch_lists_the_differing_fields(tmp_path: Path) -> None:
     assert "n_routed_experts: folder 8, config 4" in message
     assert "dim: folder 64, config 32" in message
     assert "n_layers" not in message
+
+
+def test_hub_per_expert_layout_loads_through_lazy_stacks(tmp_path: Path) -> None:
+    # Hub checkpoints (DeepSeek-V2-Lite) hold one tensor per routed expert.
+    from safetensors.torch import load_file, save_file
+
+    token_dir = write_token_dir(tmp_path / "tokens", n_train=2_000)
+    resolved, model, folder = _export(tmp_path, token_dir)
+    fused = load_file(str(folder / "model.safetensors"))
+    per_expert = {}
+    for key, value in fused.items():
+        if key.endswith("mlp.experts.gate_up_proj"):
+            prefix = key.removesuffix("gate_up_proj")
+            for e, (gate, up) in enumerate(zip(*value.chunk(2, dim=1), strict=True)):
+                per_expert[f"{prefix}{e}.gate_proj.weight"] = gate.contiguous()
+                per_expert[f"{prefix}{e}.up_proj.weight"] = up.contiguous()
+        elif key.endswith("mlp.experts.down_proj"):
+            prefix = key.removesuffix("down_proj")
+            for e, down in enumerate(value):
+                per_expert[f"{prefix}{e}.down_proj.weight"] = down.contiguous()
+        else:
+            per_expert[key] = value
+    (folder / "model.safetensors").unlink()
+    save_file(per_expert, str(folder / "model.safetensors"))
+    target = build_model(resolved.spec, resolved.model_args, 7, torch.device("cpu"))
+    load_hf_weights([target], resolved.spec, resolved.model_args, folder)
+    theirs = target.state_dict()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, theirs[key]), key
+
+
+def test_published_v2_lite_config_matches_the_v2_lite_flavor(tmp_path: Path) -> None:
+    import json
+
+    from tests.models.test_deepseek_v2_hf import PUBLISHED
+    from titan_kedro.models import get_train_spec
+
+    spec = get_train_spec("deepseek_v2")
+    folder = tmp_path / "lite"
+    folder.mkdir()
+    config = {**PUBLISHED["v2-lite"], "model_type": "deepseek_v2"}
+    (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    check_hf_config(spec, spec.resolve_args("v2-lite", {"max_seq_len": 4096}), folder)
+    with pytest.raises(HFInitError, match="n_routed_experts: folder 64, config 160"):
+        check_hf_config(spec, spec.resolve_args("v2", {}), folder)
