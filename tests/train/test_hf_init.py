@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +55,11 @@ def test_ep2_run_starts_from_exported_folder_with_its_loss(tmp_path: Path) -> No
     token_dir = write_token_dir(tmp_path / "tokens", n_train=4_000)
     resolved, model, folder = _export(tmp_path, token_dir)
     raw = _job(tmp_path / "run", token_dir, folder)
-    run_worker(raw, nproc=2)
+    proc = run_worker(raw, nproc=2)
     loss = step_losses(raw["job"]["dump_folder"])[1]
+    # Rank 0 read only its FSDP / EP shards: about half of the weights.
+    read, stored = map(int, re.search(r"this rank read (\d+) of (\d+) bytes", proc.stderr).groups())
+    assert 0.4 * stored < read < 0.6 * stored, (read, stored)
 
     # Step 1's global batch is the first batch of both data-parallel ranks.
     loss_fn = resolved.spec.build_loss_fn(resolved.config)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 log = logging.getLogger(__name__)
 
@@ -166,19 +166,45 @@ def check_hf_config(spec: Any, model_args: Any, folder: str | Path) -> None:
         )
 
 
-def _local_block(tensor: torch.Tensor) -> tuple[torch.Tensor, Index | None]:
-    """The tensor this rank writes into and the global index of its block (None: all)."""
-    if not isinstance(tensor, DTensor):
-        return tensor, _full_index(tensor.shape)
-    if not all(type(p) is Shard or p.is_replicate() for p in tensor.placements):
-        return tensor, None
-    shape, offset = compute_local_shape_and_global_offset(
-        tensor.shape, tensor.device_mesh, tensor.placements
-    )
-    local = tensor.to_local()
-    if tuple(local.shape) != tuple(shape):
-        return tensor, None
-    return local, tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+_MAX_PROBE = 1 << 24
+
+
+def _local_indices(tensor: DTensor) -> list[torch.Tensor] | None:
+    """For each dim, the global indices this rank holds (None: too large to probe).
+
+    Sharding a small probe (the global indices of every sharded dim) with the tensor's own
+    placements and ``src_data_rank=None`` (no communication) gives the exact layout, also
+    for ``_StridedShard`` (FSDP over expert-parallel experts).
+    """
+    sharded = sorted({p.dim for p in tensor.placements if p.is_shard()})
+    shape = [tensor.shape[d] if d in sharded else 1 for d in range(tensor.ndim)]
+    if math.prod(shape) > _MAX_PROBE:
+        return None
+    out = []
+    for dim in range(tensor.ndim):
+        if dim not in sharded:
+            out.append(torch.arange(tensor.shape[dim]))
+            continue
+        view = [1] * tensor.ndim
+        view[dim] = shape[dim]
+        probe = torch.arange(shape[dim]).view(view).expand(shape).contiguous()
+        local = distribute_tensor(
+            probe, tensor.device_mesh, tensor.placements, src_data_rank=None
+        ).to_local()
+        first = [0] * tensor.ndim
+        first[dim] = slice(None)
+        out.append(local[tuple(first)].cpu() if local.numel() else torch.empty(0, dtype=torch.long))
+    return out
+
+
+def _read_rows(value: Any, indices: list[torch.Tensor]) -> torch.Tensor:
+    """Read the bounding box of ``indices`` and keep exactly those rows of each dim."""
+    box = tuple(slice(int(i.min()), int(i.max()) + 1) for i in indices)
+    block = _read(value, box)
+    for dim, (index, part) in enumerate(zip(indices, box, strict=True)):
+        if not torch.equal(index, torch.arange(part.start, part.stop)):  # not one run
+            block = block.index_select(dim, index - part.start)
+    return block
 
 
 @torch.no_grad()
@@ -220,17 +246,29 @@ def load_hf_weights(
                 f"checkpoint.initial_load_hf: {key} has shape {tuple(value.shape)} in {folder}, "
                 f"the model expects {tuple(target.shape)}"
             )
-        local, index = _local_block(target)
-        if index is None:  # a layout without a contiguous block: read all, keep our part
+        local = target.to_local() if isinstance(target, DTensor) else target
+        if not local.numel():
+            continue
+        indices = (
+            _local_indices(target)
+            if isinstance(target, DTensor)
+            else [torch.arange(n) for n in target.shape]
+        )
+        if indices is None:  # too large to probe: read all, keep our part
             full = _read(value, _full_index(value.shape)).to(target.dtype)
+            block = distribute_tensor(
+                full, target.device_mesh, target.placements, src_data_rank=None
+            ).to_local()
             read_bytes += full.numel() * full.element_size()
-            from torch.distributed.tensor import distribute_tensor
-
-            block = distribute_tensor(full, target.device_mesh, target.placements).to_local()
-            local = target.to_local()
         else:
-            block = _read(value, index) if local.numel() else local
+            block = _read_rows(value, indices)
             read_bytes += block.numel() * block.element_size()
+        if tuple(block.shape) != tuple(local.shape):
+            raise HFInitError(
+                f"{key}: read a block of {tuple(block.shape)}, local shard is "
+                f"{tuple(local.shape)} (unsupported placements {target.placements})"
+            )
         local.copy_(block.to(device=local.device, dtype=local.dtype))
-    log.info("initialised from %s (%.1f MiB read on this rank)", folder, read_bytes / 2**20)
+    stored = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    log.info("initialised from %s: this rank read %d of %d bytes", folder, read_bytes, stored)
     return read_bytes
