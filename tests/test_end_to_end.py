@@ -304,3 +304,28 @@ def test_system_metrics_dataset_inputs_and_registered_model(e2e: E2ERun) -> None
         expected = ours(torch.from_numpy(tokens)).numpy()
     assert theirs.shape == expected.shape
     assert float(np.abs(theirs - expected).max()) <= 1e-4
+
+
+@pytest.mark.slow
+def test_kedro_viz_previews_the_plots_and_json_outputs(e2e: E2ERun) -> None:
+    env = {**os.environ, "KEDRO_DISABLE_TELEMETRY": "true"}
+    env.pop("MLFLOW_RUN_ID", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kedro", "viz", "build", "--include-previews"],
+        cwd=e2e.project, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    api = e2e.project / "build" / "api"
+    nodes = json.loads((api / "main").read_text(encoding="utf-8"))["nodes"]
+    ids = {n["name"]: n["id"] for n in nodes if n["type"] == "data"}
+    expected = {
+        "loss_plot": "ImagePreview",
+        "expert_load_plot": "ImagePreview",
+        "model_spec": "JSONPreview",
+        "evaluation_results": "JSONPreview",
+        "reporting_summary": "JSONPreview",
+        "hf_export_manifest": "JSONPreview",
+    }
+    for name, kind in expected.items():
+        node = json.loads((api / "nodes" / ids[name]).read_text(encoding="utf-8"))
+        assert node.get("preview_type") == kind and node.get("preview"), (name, node.keys())
