@@ -48,6 +48,7 @@ def test_raw_and_token_splits_are_logged_with_contexts(tmp_path: Path) -> None:
     }
     data = {"source": "local", "raw_dir": str(raw), "token_dir": str(tmp_path / "tokens")}
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.set_experiment("lineage-test")  # not an id left over by another test
     try:
         with mlflow.start_run() as run:
             assert log_lineage(run.info.run_id, metadata, data) == 3

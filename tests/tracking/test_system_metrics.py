@@ -16,6 +16,7 @@ def test_node_monitor_logs_system_metrics_under_node_id(
 ) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment("system-metrics-test")  # not an id left over by another test
     try:
         with mlflow.start_run() as run:
             monkeypatch.setenv("MLFLOW_RUN_ID", run.info.run_id)
