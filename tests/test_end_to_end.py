@@ -251,6 +251,43 @@ def test_a_failed_training_marks_the_mlflow_run_failed(
     assert runs[0].data.tags["model.spec"] == "deepseek_v2"  # our hook ran before the failure
 
 
+@pytest.mark.slow
+def test_two_torchx_agents_train_like_one_node_into_one_mlflow_run(
+    e2e: E2ERun, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``launch.scheduler=local_cwd``: two torchrun agents (2 nodes × 1 process) meet at a
+    c10d rendezvous and log the same losses as the e2e run's 1 node × 2 processes."""
+    project = copy_project(tmp_path_factory.mktemp("local_cwd") / "project")
+    add_c4_sample(project)
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "KEDRO_DISABLE_TELEMETRY": "true"}
+    env.pop("MLFLOW_RUN_ID", None)
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "kedro", "run", "--env", "test",
+            "--pipelines", "data_processing,model_spec,training",
+            "--params", "launch.scheduler=local_cwd,launch.nnodes=2,launch.nproc_per_node=1",
+        ],
+        cwd=project, env=env, capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"kedro run failed:\n{output[-6000:]}"
+    replicas = sorted((project / "data/07_model_output/logs/torchx").glob("*/*/train/*"))
+    assert [p.name for p in replicas] == ["0", "1"], replicas  # one torchrun agent per node
+    assert "world 2 (cpu)" in output  # the agents formed one group
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("titan_kedro").experiment_id])
+    assert run.info.status == "FINISHED"
+    two_nodes = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
+    one_node = dict(e2e.history("loss"))
+    assert sorted(two_nodes) == sorted(one_node) == list(range(1, 13))
+    for step, loss in one_node.items():
+        assert abs(two_nodes[step] - loss) <= 1e-4, (step, two_nodes[step], loss)
+    print(
+        f"max |loss(2x1) - loss(1x2)| over 12 steps: {max(abs(two_nodes[s] - one_node[s]) for s in one_node):.2e}"
+    )
+
+
 def test_copy_project_leaves_out_local_config(tmp_path: Path) -> None:
     project = copy_project(tmp_path / "p")
     assert (project / "conf" / "base" / "mlflow.yml").is_file()

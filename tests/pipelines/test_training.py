@@ -34,13 +34,12 @@ def test_torchrun_command_single_and_multi_node() -> None:
     assert {"--standalone", "--nproc-per-node=2", "--nnodes=1", "--max-restarts=1"} <= set(cmd)
     assert cmd[-4:] == ["-m", "titan_kedro.train", "--config", "job.yaml"]
     multi = build_job_config(
-        {"launch": {"nproc_per_node": 8, "nnodes": 2, "node_rank": 1, "rdzv_endpoint": "h:29500"}}
+        {"launch": {"nproc_per_node": 8, "nnodes": 2, "rdzv_endpoint": "h:29500"}}
     ).launch
     cmd = torchrun_command(multi, "job.yaml")
-    assert "--standalone" not in cmd
-    assert {"--rdzv-backend=c10d", "--rdzv-endpoint=h:29500", "--node-rank=1", "--nnodes=2"} <= set(
-        cmd
-    )
+    assert "--standalone" not in cmd and "--nnodes=2" in cmd
+    assert " --rdzv-backend c10d --rdzv-endpoint h:29500 --rdzv-id titan-kedro " in " ".join(cmd)
+    assert not any("node-rank" in arg for arg in cmd)  # ranks come from the rendezvous
     no_endpoint = build_job_config({"launch": {"nnodes": 2}}).launch
     with pytest.raises(ValueError, match="rdzv_endpoint"):
         torchrun_command(no_endpoint, "job.yaml")

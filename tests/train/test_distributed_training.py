@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 import pytest
 
 from titan_kedro.config import dump_job_config, resolve_job_config
+from titan_kedro.launch.appdef import free_port
 from titan_kedro.train.faults import CRASH_RANK_ENV, CRASH_STEP_ENV
 from titan_kedro.train.launch import torchrun_command
 from train.helpers import REPO, read_metrics, run_worker, step_losses, tiny_job, write_token_dir
@@ -63,16 +63,10 @@ def test_killed_worker_is_restarted_and_resumes_from_checkpoint(runs: dict[str, 
         assert resumed[step] == pytest.approx(reference[step], rel=1e-6), step
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_nodes_rendezvous_and_train_like_one_node(runs: dict[str, Path]) -> None:
     """Two torchrun agents ("nodes" of one process each) meet at a c10d rendezvous."""
     root = runs["root"] / "two_nodes"
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     job = tiny_job(
         root,
         runs["tokens"],
@@ -82,18 +76,14 @@ def test_two_nodes_rendezvous_and_train_like_one_node(runs: dict[str, Path]) -> 
     config = dump_job_config(resolve_job_config(job).config, root / "job_config.yaml")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("MLFLOW_RUN_ID", None)
-    agents = []
-    for node_rank in (0, 1):
-        launch = resolve_job_config(
-            {**job, "launch": {**job["launch"], "node_rank": node_rank}}
-        ).config.launch
-        cmd = torchrun_command(launch, config)
-        assert f"--rdzv-endpoint={endpoint}" in cmd and "--standalone" not in cmd
-        agents.append(
-            subprocess.Popen(
-                cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
+    cmd = torchrun_command(resolve_job_config(job).config.launch, config)
+    assert endpoint in cmd and "--standalone" not in cmd
+    agents = [  # every node runs the same command; the rendezvous assigns the ranks
+        subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
+        for _ in range(2)
+    ]
     outputs = [agent.communicate(timeout=240)[0] for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     two_nodes = step_losses(root / "job")

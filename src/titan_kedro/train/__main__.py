@@ -10,7 +10,8 @@ Single node, 2 processes (CPU: gloo; GPUs: one process per GPU, NCCL)::
         -m titan_kedro.train --config data/07_model_output/job/job_config.yaml \\
         --launch.nproc_per_node 2
 
-Two nodes with 8 GPUs each (run on every node; same ``--rdzv-id`` and endpoint)::
+Two nodes with 8 GPUs each (the same command on every node; the rendezvous assigns the
+ranks; ``kedro run`` submits exactly this through TorchX with ``launch.scheduler``)::
 
     python -m torch.distributed.run --nnodes 2 --nproc-per-node 8 \\
         --rdzv-backend c10d --rdzv-endpoint node0.example:29500 --rdzv-id titan-kedro \\

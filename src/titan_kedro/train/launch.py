@@ -28,13 +28,18 @@ class TrainingFailedError(RuntimeError):
 
 
 def torchrun_command(
-    launch: Any, config_path: str | Path, *, python: str = sys.executable
+    launch: Any,
+    config_path: str | Path,
+    *,
+    python: str = sys.executable,
+    rendezvous: tuple[str, str] | None = None,
 ) -> list[str]:
     """The torchrun command line for the ``launch`` section and a job-config file.
 
-    Single node without ``rdzv_endpoint`` uses ``--standalone``; otherwise a c10d
-    rendezvous at ``rdzv_endpoint`` with ``rdzv_id``. Rank 0's output is teed to the
-    console; every rank's output goes to ``log_dir``.
+    A c10d rendezvous at ``rendezvous`` (endpoint, id) if given, else at
+    ``launch.rdzv_endpoint`` with ``launch.rdzv_id``; a single node without either uses
+    ``--standalone``. Rank 0's output is teed to the console; every rank's output goes to
+    ``log_dir``. Ranks come from the rendezvous, so every node runs the same command.
     """
     cmd = [
         python, "-m", "torch.distributed.run",
@@ -45,12 +50,9 @@ def torchrun_command(
         "--tee=3",
         "--local-ranks-filter=0",
     ]  # fmt: skip
-    if launch.rdzv_endpoint:
-        cmd += [
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={launch.rdzv_endpoint}",
-            f"--rdzv-id={launch.rdzv_id}",
-        ]
+    endpoint, rdzv_id = rendezvous or (launch.rdzv_endpoint, launch.rdzv_id)
+    if endpoint:
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id]
     elif launch.nnodes == 1:
         cmd.append("--standalone")
     else:
@@ -58,8 +60,6 @@ def torchrun_command(
             f"launch.nnodes={launch.nnodes} needs launch.rdzv_endpoint (host:port of the "
             "rendezvous, reachable from every node)"
         )
-    if launch.nnodes > 1:
-        cmd.append(f"--node-rank={launch.node_rank}")
     return [*cmd, "-m", "titan_kedro.train", "--config", str(config_path)]
 
 
@@ -75,7 +75,8 @@ def mlflow_env() -> dict[str, str]:
     return {RUN_ID_ENV: run.info.run_id, TRACKING_URI_ENV: mlflow.get_tracking_uri()}
 
 
-def _run_dirs(log_dir: Path) -> set[Path]:
+def run_dirs(log_dir: Path) -> set[Path]:
+    """The torchrun run folders (one per agent and launch) under ``log_dir``."""
     return {p for p in log_dir.iterdir() if p.is_dir()} if log_dir.is_dir() else set()
 
 
@@ -119,6 +120,17 @@ def failing_rank_log(run_dir: Path | None, torchrun_output: str, lines: int = 40
     return ""
 
 
+def new_failing_rank_log(log_dir: Path, before: set[Path], torchrun_output: str) -> str:
+    """:func:`failing_rank_log` of the newest run folder, not in ``before``, that has one."""
+    for run_dir in sorted(
+        run_dirs(log_dir) - before, key=lambda p: p.stat().st_mtime, reverse=True
+    ):
+        found = failing_rank_log(run_dir, torchrun_output)
+        if found:
+            return found
+    return ""
+
+
 def launch_training(
     cfg: Any,
     config_path: str | Path,
@@ -141,10 +153,16 @@ def launch_training(
             the message quotes the failing rank's log tail.
     """
     launch = cfg.launch
+    if launch.nnodes > 1:
+        raise ValueError(
+            f"launch.nnodes={launch.nnodes} with launch.scheduler=local: torchrun here starts "
+            "one node only; set launch.scheduler to local_cwd (several agents on this machine), "
+            "slurm, kubernetes or another TorchX scheduler"
+        )
     console = console or sys.stdout
     log_dir = Path(launch.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    before = _run_dirs(log_dir)
+    before = run_dirs(log_dir)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **mlflow_env(), **dict(extra_env or {})}
     # torchrun forces OMP_NUM_THREADS=1 otherwise; the worker sets its own thread count.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // launch.nproc_per_node)))
@@ -184,8 +202,7 @@ def launch_training(
     if rc == 0 and not timed_out:
         return
     output = "".join(tail)
-    new_runs = sorted(_run_dirs(log_dir) - before, key=lambda p: p.stat().st_mtime)
-    worker_log = failing_rank_log(new_runs[-1] if new_runs else None, output)
+    worker_log = new_failing_rank_log(log_dir, before, output)
     reason = (
         f"ran past launch.timeout_s={launch.timeout_s}s and was stopped"
         if timed_out

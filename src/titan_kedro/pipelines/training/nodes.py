@@ -1,4 +1,8 @@
-"""Training node: thin glue between Kedro and the torchrun workers (``titan_kedro.train``)."""
+"""Training node: thin glue between Kedro and the torchrun workers (``titan_kedro.train``).
+
+``launch.scheduler`` picks how they start (``titan_kedro.launch``): torchrun here, or a
+TorchX job (several agents here, Slurm, Kubernetes, …).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ from typing import Any
 
 from titan_kedro.config import dump_job_config, resolve_job_config
 from titan_kedro.data.vocab import check_vocab_fits
-from titan_kedro.train.launch import TrainingFailedError, launch_training
+from titan_kedro.launch import launch_job, prepare_job
+from titan_kedro.train.launch import TrainingFailedError, mlflow_env
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +26,7 @@ def train_model(
     model_spec: dict[str, Any],
     **sections: dict[str, Any],
 ) -> dict[str, Any]:
-    """Write the resolved job config, run torchrun, and return the workers' summary.
+    """Write the resolved job config, run the workers, and return their summary.
 
     Args:
         token_metadata: ``metadata.json`` of the token files (orders this node after
@@ -31,24 +36,35 @@ def train_model(
             pipeline passes every one, see ``titan_kedro.pipelines.job_params``).
 
     Returns:
-        ``checkpoint_dir, final_step, final_loss, tokens_seen, wall_time_s``.
+        ``checkpoint_dir, final_step, final_loss, tokens_seen, wall_time_s``; with
+        ``launch.dryrun``: ``dryrun: true``, the scheduler and the files written.
 
     Raises:
         TrainingFailedError: A worker failed; the message holds its log tail.
+        LaunchCheckError: A remote job could not see its files or reach MLflow.
     """
     del model_spec
     resolved = resolve_job_config(sections)
-    cfg = resolved.config
     check_vocab_fits(token_metadata, int(resolved.model_args.vocab_size))
+    env = mlflow_env()
+    cfg = prepare_job(resolved.config, env)
     dump = Path(cfg.job.dump_folder)
     config_path = dump_job_config(cfg, dump / JOB_CONFIG_FILE)
     summary_path = dump / "summary.json"
-    summary_path.unlink(missing_ok=True)
+    if not cfg.launch.dryrun:
+        summary_path.unlink(missing_ok=True)
     logger.info("job config written to %s", config_path)
-    launch_training(cfg, config_path)
+    dryrun = launch_job(cfg, config_path, env)
+    if dryrun is not None:
+        logger.warning(
+            "dry run (launch.dryrun=true): nothing trained or submitted; %s request in %s",
+            cfg.launch.scheduler,
+            dryrun["request_file"],
+        )
+        return dryrun
     if not summary_path.is_file():
         raise TrainingFailedError(
-            f"torchrun finished but the workers wrote no {summary_path}; see {cfg.launch.log_dir}"
+            f"the workers finished but wrote no {summary_path}; see {cfg.launch.log_dir}"
         )
     summary = json.loads(summary_path.read_text(encoding="utf-8"))
     logger.info(

@@ -1,0 +1,101 @@
+"""The TorchX AppDef of a training job: one role, one torchrun agent per node.
+
+It is the AppDef of TorchX's ``dist.ddp`` component (role named after the module,
+``bash -c`` entrypoint, c10d rendezvous at the rank-0 node's ``c10d`` port with the app id
+as rendezvous id, ``nnodes`` replicas, per-replica resources) with this project's torchrun
+flags (``train.launch.torchrun_command``: restarts, log folder, rank-0 tee) and
+``-m titan_kedro.train --config <job_config.yaml>``.
+"""
+
+from __future__ import annotations
+
+import shlex
+import socket
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torchx import specs
+from torchx.specs import macros
+
+from titan_kedro.train.launch import torchrun_command
+
+ROLE = "train"
+"""The role's name (``dist.ddp`` names it after the module: ``titan_kedro.train``)."""
+RDZV_PORT = 29500
+"""Rendezvous port on the rank-0 node (``dist.ddp``'s default; exposed as port ``c10d``)."""
+HOST_SCHEDULERS = frozenset({"local_cwd", "slurm"})
+"""Schedulers that run this machine's environment (this interpreter, on shared storage for
+slurm); the others run ``python`` in ``scheduler_args.image`` (a container image; for
+``ray`` its working directory)."""
+ROLE_ARGS = frozenset({"image", "mounts"})
+"""``launch.scheduler_args`` keys that set the role, not TorchX run options."""
+
+
+class _NoQuote(str):
+    """An argument kept unquoted in the ``bash -c`` line, so the shell expands its variable."""
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for agents that all run on this machine)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rendezvous_endpoint(launch: Any) -> str:
+    """Where the agents meet: ``launch.rdzv_endpoint``, else chosen by scheduler and size."""
+    if launch.rdzv_endpoint:
+        return launch.rdzv_endpoint
+    if launch.nnodes == 1:
+        return "localhost:0"
+    if launch.scheduler == "local_cwd":
+        return f"localhost:{free_port()}"
+    # The scheduler fills in the rank-0 host (dist.ddp's ``$${rank0_env}`` macro).
+    return _NoQuote(f"$${{{macros.rank0_env}:=localhost}}:{RDZV_PORT}")
+
+
+def _shell_join(args: list[str]) -> str:
+    return " ".join(a if isinstance(a, _NoQuote) else shlex.quote(a) for a in args)
+
+
+def build_appdef(cfg: Any, config_path: str | Path, env: Mapping[str, str]) -> specs.AppDef:
+    """The TorchX AppDef that runs the job described by ``cfg`` (reads ``job`` and ``launch``).
+
+    Args:
+        cfg: The job config.
+        config_path: The job config file as the workers see it.
+        env: Environment of every node (``MLFLOW_RUN_ID``, ``MLFLOW_TRACKING_URI``, …);
+            ``PYTHONUNBUFFERED=1`` and ``LOGLEVEL`` are added.
+    """
+    launch = cfg.launch
+    python = sys.executable if launch.scheduler in HOST_SCHEDULERS else "python"
+    endpoint = rendezvous_endpoint(launch)
+    cmd = torchrun_command(launch, config_path, python=python, rendezvous=(endpoint, macros.app_id))
+    role_args = {k: v for k, v in launch.scheduler_args.items() if k in ROLE_ARGS}
+    mounts = role_args.get("mounts") or []
+    # One TorchX mount string per mount ("type=bind,src=/x,dst=/x"), split as its CLI does.
+    mount_args = [
+        t for m in ([mounts] if isinstance(mounts, str) else mounts) for t in m.split(",")
+    ]
+    resources = launch.resources
+    return specs.AppDef(
+        name=cfg.job.name,
+        roles=[
+            specs.Role(
+                name=ROLE,
+                image=str(role_args.get("image", Path.cwd())),
+                entrypoint="bash",
+                args=["-c", _shell_join(cmd)],
+                env={"PYTHONUNBUFFERED": "1", "LOGLEVEL": "WARNING", **dict(env)},
+                num_replicas=launch.nnodes,
+                resource=specs.Resource(
+                    cpu=resources.cpus, gpu=resources.gpus, memMB=resources.memory_mb
+                ),
+                port_map={"c10d": RDZV_PORT},
+                max_retries=0,
+                mounts=specs.parse_mounts(mount_args) if mount_args else [],
+            )
+        ],
+    )

@@ -1,0 +1,232 @@
+"""Submit the training job to a TorchX scheduler, follow it, and turn its end into a result.
+
+``run_job`` submits the AppDef through TorchX's runner, echoes every node's agent output
+(torchrun tees only local rank 0, so the training progress is rank 0's), polls the job
+until it ends, and cancels it when ``kedro run`` is interrupted (Ctrl-C, SIGTERM) or
+``launch.timeout_s`` passes. A failed job raises ``TrainingFailedError`` with the failing
+replica's log tail and, where the torchrun log folder is visible, the failing rank's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+from torchx.runner import Runner, get_runner
+from torchx.specs import AppDef, AppDryRunInfo, AppState, AppStatus
+
+from titan_kedro.launch.appdef import ROLE, ROLE_ARGS
+from titan_kedro.launch.preflight import redact_uri
+from titan_kedro.tracking.mlflow_logger import TRACKING_URI_ENV
+from titan_kedro.train.launch import TrainingFailedError, new_failing_rank_log, run_dirs
+
+logger = logging.getLogger(__name__)
+
+TAIL_LINES = 60
+
+
+def run_options(launch: Any) -> dict[str, Any]:
+    """TorchX run options: ``launch.scheduler_args`` without the role's ``image`` / ``mounts``.
+
+    ``local_cwd`` writes its replicas' logs under ``launch.log_dir`` unless told otherwise
+    (TorchX follows logs only from files there).
+    """
+    opts = {k: v for k, v in launch.scheduler_args.items() if k not in ROLE_ARGS}
+    if launch.scheduler == "local_cwd":
+        opts.setdefault("log_dir", str(Path(launch.log_dir).resolve() / "torchx"))
+    return opts
+
+
+def _check_options(runner: Runner, scheduler: str, opts: Mapping[str, Any]) -> None:
+    known = runner.scheduler_run_opts(scheduler)
+    unknown = sorted(set(opts) - {name for name, _ in known})
+    if unknown:
+        valid = ", ".join(sorted([*(name for name, _ in known), *ROLE_ARGS]))
+        raise ValueError(
+            f"launch.scheduler_args has {', '.join(unknown)}, which {scheduler} does not take; "
+            f"valid keys: {valid}"
+        )
+
+
+@contextlib.contextmanager
+def signals_restored() -> Iterator[None]:
+    """The process's SIGINT/SIGTERM handlers are back afterwards.
+
+    TorchX's local scheduler installs handlers of its own when it is created; while the job
+    runs, Ctrl-C and SIGTERM raise ``KeyboardInterrupt`` instead, so the job is cancelled.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _install_interrupt_handlers() -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+
+
+def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt("SIGTERM")
+
+
+def dryrun_info(runner: Runner, app: AppDef, launch: Any) -> AppDryRunInfo:
+    """What TorchX would submit (the sbatch script, the Volcano job, …), after checking options."""
+    opts = run_options(launch)
+    _check_options(runner, launch.scheduler, opts)
+    return runner.dryrun(app, launch.scheduler, cfg=opts)
+
+
+def render_request(info: AppDryRunInfo, env: Mapping[str, str]) -> str:
+    """TorchX's rendering of the request, with the MLflow URI's password masked."""
+    text = str(info)
+    uri = env.get(TRACKING_URI_ENV)
+    return text.replace(uri, redact_uri(uri)) if uri else text
+
+
+class _Follower:
+    """One thread per replica that echoes its log and keeps the tail."""
+
+    def __init__(self, runner: Runner, handle: str, nnodes: int, console: IO[str]) -> None:
+        self.tails = [deque[str](maxlen=400) for _ in range(nnodes)]
+        self._lock = threading.Lock()
+        self._runner, self._handle, self._console = runner, handle, console
+        self.threads = [
+            threading.Thread(target=self._follow, args=(k,), daemon=True, name=f"log-{k}")
+            for k in range(nnodes)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _follow(self, k: int) -> None:
+        prefix = f"[node {k}] " if len(self.tails) > 1 else ""
+        try:
+            for line in self._runner.log_lines(self._handle, ROLE, k, should_tail=True):
+                self.tails[k].append(line)
+                with self._lock:
+                    self._console.write(prefix + (line if line.endswith("\n") else line + "\n"))
+                    self._console.flush()
+        except Exception as err:  # logs are best effort; the job's state decides
+            logger.warning("cannot follow the log of node %d: %s", k, err)
+
+    def join(self, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        for thread in self.threads:
+            thread.join(max(0.0, end - time.monotonic()))
+
+
+def _failing_replica(status: AppStatus, tails: list[deque[str]]) -> int:
+    for role in status.roles:
+        for replica in role.replicas:
+            if replica.state == AppState.FAILED:
+                return int(replica.id)
+    for k, tail in enumerate(tails):
+        if any("Traceback" in line or "Error" in line for line in tail):
+            return k
+    return 0
+
+
+def _error_message(structured: str) -> str:
+    """The message of torchrun's error file as TorchX reports it (else the text as is)."""
+    if not structured or structured == "<NONE>":
+        return ""
+    try:
+        return str(json.loads(structured)["message"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return structured
+
+
+def _wait_terminal(runner: Runner, handle: str, timeout_s: float) -> AppStatus | None:
+    end = time.monotonic() + timeout_s
+    status = runner.status(handle)
+    while status is not None and not status.is_terminal() and time.monotonic() < end:
+        time.sleep(0.5)
+        status = runner.status(handle)
+    return status
+
+
+def run_job(
+    cfg: Any,
+    app: AppDef,
+    *,
+    console: IO[str] | None = None,
+    poll_s: float | None = None,
+) -> str:
+    """Submit ``app`` to ``cfg.launch.scheduler`` and wait until it succeeds.
+
+    Args:
+        cfg: The job config (reads ``launch``).
+        app: The job (``build_appdef``).
+        console: Where the nodes' output is echoed (default ``sys.stdout``).
+        poll_s: Seconds between status checks (default 0.5 on this machine, 5 remote).
+
+    Returns:
+        The TorchX app handle (``scheduler://session/app_id``).
+
+    Raises:
+        TrainingFailedError: The job failed, was cancelled by the scheduler, or ran past
+            ``launch.timeout_s`` (then it is cancelled); the message holds the log tails.
+        KeyboardInterrupt: ``kedro run`` was interrupted; the job was cancelled first.
+    """
+    launch = cfg.launch
+    console = console or sys.stdout
+    poll_s = poll_s or (0.5 if launch.scheduler == "local_cwd" else 5.0)
+    log_dir = Path(launch.log_dir)
+    before = run_dirs(log_dir)
+    with signals_restored(), get_runner() as runner:
+        info = dryrun_info(runner, app, launch)
+        _install_interrupt_handlers()
+        handle = runner.schedule(info)
+        logger.info("submitted %s (%d × %d workers)", handle, launch.nnodes, launch.nproc_per_node)
+        follower = _Follower(runner, handle, launch.nnodes, console)
+        deadline = time.monotonic() + launch.timeout_s if launch.timeout_s else None
+        timed_out = False
+        try:
+            status = runner.status(handle)
+            while status is not None and not status.is_terminal():
+                if deadline is not None and time.monotonic() > deadline:
+                    timed_out = True
+                    runner.cancel(handle)
+                    status = _wait_terminal(runner, handle, 60)
+                    break
+                time.sleep(poll_s)
+                status = runner.status(handle)
+        except BaseException:
+            logger.warning("interrupted: cancelling %s", handle)
+            runner.cancel(handle)
+            _wait_terminal(runner, handle, 60)
+            raise
+        follower.join(10)
+    if status is not None and status.state == AppState.SUCCEEDED and not timed_out:
+        return handle
+    state = "gone from the scheduler" if status is None else status.state.name
+    k = _failing_replica(status, follower.tails) if status is not None else 0
+    replica_log = "".join(list(follower.tails[k])[-TAIL_LINES:])
+    rank_log = new_failing_rank_log(log_dir, before, replica_log)
+    reason = (
+        f"ran past launch.timeout_s={launch.timeout_s}s and was cancelled"
+        if timed_out
+        else f"ended {state}"
+    )
+    error = _error_message(status.structured_error_msg if status is not None else "")
+    raise TrainingFailedError(
+        f"training job {handle} {reason}. Worker logs: {log_dir}\n"
+        f"--- node {k} output (last {TAIL_LINES} lines) ---\n{replica_log}"
+        + (f"\n{rank_log}" if rank_log else "")
+        + (f"\n--- scheduler error ---\n{error}" if error else "")
+    )
