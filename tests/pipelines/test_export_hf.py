@@ -148,7 +148,7 @@ def _run_export_node(tmp_path: Path, model: torch.nn.Module, tokenizer: Any) -> 
             "max_shard_gib": 5.0,
         },
         training_summary={"tokens_seen": 1234},
-        evaluation_results={"val_loss": 7.5, "val_perplexity": 1808.0},
+        evaluation_results={"eval_loss": 7.5, "eval_perplexity": 1808.0},
         reporting_summary={"final_loss": 7.0},
     )
 

@@ -114,7 +114,7 @@ def test_reporting_pipeline_writes_pngs_and_a_summary(tmp_path: Path) -> None:
         {
             "training_metrics_jsonl": MemoryDataset(synthetic_metrics()),
             "training_summary": MemoryDataset({"tokens_seen": 1536, "wall_time_s": 3.0}),
-            "evaluation_results": MemoryDataset({"val_loss": 5.5, "val_perplexity": 244.7}),
+            "evaluation_results": MemoryDataset({"eval_loss": 5.5, "eval_perplexity": 244.7}),
             "params:model": MemoryDataset({"name": "deepseek_v2", "flavor": "debugmodel"}),
             **{name: MatplotlibDataset(filepath=str(tmp_path / f"{name}.png")) for name in figures},
         }
@@ -127,5 +127,5 @@ def test_reporting_pipeline_writes_pngs_and_a_summary(tmp_path: Path) -> None:
     summary = catalog["reporting_summary"].load()
     assert summary["first_loss"] > summary["final_loss"]
     assert summary["final_step"] == 12
-    assert summary["val_loss"] == 5.5
+    assert summary["eval_loss"] == 5.5
     assert summary["mean_tps"] == pytest.approx(np.mean([1000.0 + s for s in range(2, 13)]))

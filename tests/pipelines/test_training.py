@@ -108,3 +108,23 @@ def test_launch_timeout_stops_a_silent_group(
     with pytest.raises(TrainingFailedError, match="timeout_s=1"):
         launch.launch_training(cfg, tmp_path / "job.yaml")
     assert time.monotonic() - start < 30
+
+
+def test_continuing_with_other_maths_fails_before_any_worker_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from titan_kedro.pipelines.training import nodes
+    from titan_kedro.train.run_identity import ResumeMismatchError
+
+    tokens = write_token_dir(tmp_path / "tokens")
+    checkpoint = tmp_path / "ckpt" / "run-1" / "step-3"
+    checkpoint.mkdir(parents=True)
+    saved = {"training.seq_len": 64, "model.name": "tiny_dense", "data_fingerprint": "old"}
+    (checkpoint / "metadata.json").write_text(json.dumps({"step": 3, "math": saved}))
+    params = tiny_job(tmp_path, tokens, checkpoint={"resume": "run-1"})
+    monkeypatch.setattr(nodes, "launch_job", lambda *a, **k: pytest.fail("workers started"))
+    with pytest.raises(ResumeMismatchError) as err:
+        train_model({"vocab_size": 512, "fingerprint": "new"}, {}, **params)
+    assert "training.seq_len: checkpoint 64, now 32" in str(err.value)
+    assert "data_fingerprint: checkpoint 'old', now 'new'" in str(err.value)
+    assert "model.name" not in str(err.value)

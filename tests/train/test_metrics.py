@@ -55,3 +55,22 @@ def test_mlflow_sink_needs_a_run_id(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_matmul_rate_is_positive() -> None:
     assert measure_matmul_tflops(torch.float32, "cpu", size=128, min_seconds=0.01) > 0
+
+
+def test_a_continued_run_appends_only_to_its_own_metrics_file(tmp_path: Path) -> None:
+    def rows() -> list[int]:
+        return [
+            json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
+        ]
+
+    first = MetricsLogger(tmp_path, 4, progress=False, run_id="run-a")
+    first.log(1, {"loss": 2.0})
+    first.close()
+    again = MetricsLogger(tmp_path, 4, start_step=1, progress=False, append=True, run_id="run-a")
+    again.log(2, {"loss": 1.5})
+    again.close()
+    assert rows() == [1, 2]
+    other = MetricsLogger(tmp_path, 4, start_step=1, progress=False, append=True, run_id="run-b")
+    other.log(2, {"loss": 9.0})
+    other.close()
+    assert rows() == [2]  # run-a's rows are not mixed into run-b's continuation

@@ -26,13 +26,16 @@ class JobSection(Section):
     """Seed for model init, data order and sampling; the same seed gives the same losses."""
     dump_folder: str = "data/07_model_output/job"
     """Where the resolved job config and worker summaries are written."""
+    run_id: str | None = None
+    """This run's identity (the MLflow run id, or a generated one); set by the training node."""
 
 
 class DataSection(Section):
     source: Literal["local", "hub"] = "local"
     """``local``: C4 JSON-lines shards under ``raw_dir``; ``hub``: stream ``hub_dataset``."""
     raw_dir: str = "data/01_raw/c4"
-    """Folder of ``*.json`` / ``*.json.gz`` C4 shards (must match the catalog's ``c4_raw``)."""
+    """Folder of ``*.json`` / ``*.json.gz`` C4 shards; in the Kedro project both this and the
+    catalog's ``c4_raw`` come from the ``c4_raw_dir`` global (``conf/<env>/globals.yml``)."""
     hub_dataset: str = "allenai/c4"
     """Hugging Face dataset id streamed when ``source`` is ``hub``."""
     hub_config: str = "en"
@@ -243,16 +246,18 @@ class CheckpointSection(Section):
     enable: bool = True
     """Write distributed checkpoints."""
     folder: str = "data/06_models/checkpoints"
-    """Checkpoint root; each step is ``step-<n>``."""
+    """Checkpoint root; each run writes ``<run id>/step-<n>`` (the node points the workers
+    at their run's folder)."""
     interval: int = Field(50, gt=0)
     """Save every this many steps (and always at the end)."""
     keep_latest_k: int = Field(2, ge=1)
     """Keep only the newest k complete checkpoints."""
-    resume: str = "auto"
-    """``auto``: continue from the latest checkpoint; ``never``; or a checkpoint path."""
+    resume: str = "never"
+    """``never``: a new run; ``latest``: continue the most recently saved run; a run id; or a
+    checkpoint path. Continuing reopens that run's MLflow run."""
     initial_load_hf: str | None = None
-    """Hugging Face folder (safetensors + ``config.json``) whose weights start a fresh run
-    (continued pretraining); ignored when the run resumes from its own checkpoint."""
+    """Hugging Face folder (safetensors + ``config.json``) whose weights start a new run
+    (continued pretraining); ignored when the run continues from its own checkpoint."""
 
 
 class MetricsSection(Section):
@@ -276,7 +281,7 @@ class ValidationSection(Section):
 
 class EvaluationSection(Section):
     batches: int = Field(8, gt=0)
-    """Validation batches for the final ``val_loss``."""
+    """Validation batches for the final checkpoint's ``eval_loss`` (capped at the windows)."""
     num_prompts: int = Field(3, gt=0)
     """Prompts taken from validation documents for sample generations."""
     prompt_tokens: int = Field(16, gt=0)

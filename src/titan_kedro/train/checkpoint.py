@@ -6,10 +6,17 @@ shards, rank 0 writes ``metadata.json`` last and renames the folder. Only folder
 ``step-{n}`` with a ``metadata.json`` count as checkpoints, so ``latest_checkpoint``
 never returns one that cannot load.
 
+Every load path (resume, evaluation, export, ``load_model_weights``) reads DCP's
+``.metadata`` through ``SafeFileSystemReader``, whose unpickler admits only DCP's metadata
+classes, torch dtypes/sizes and a few builtins, so a crafted checkpoint cannot run code.
+A save fsyncs its files and folder before the rename that publishes it; a crash leaves
+only a ``*.tmp`` folder, removed at the next save.
+
 Saved: the model and optimizer state (sharded, FQN-keyed, so a checkpoint loads under a
 different FSDP layout), the LR schedule, the training counters, and per-rank state (the
 data loader position and RNG states) gathered into one JSON list indexed by rank.
-Every value, tensors included, is read back with ``weights_only=True``.
+Every value, tensors included, is read back with ``weights_only=True``; the run id and the
+settings that change the maths are in ``metadata.json`` (see ``titan_kedro.train.run_identity``).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import base64
 import io
 import json
 import logging
+import os
+import pickle
 import re
 import shutil
 import time
@@ -30,7 +39,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -42,6 +53,116 @@ logger = logging.getLogger(__name__)
 
 METADATA = "metadata.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+_SAFE_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("torch", "Size"),
+        ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+        *(("builtins", name) for name in ("set", "frozenset", "slice", "list", "dict", "tuple")),
+    }
+)
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint's ``.metadata`` names a global outside the allow-list (it was not run)."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata only: DCP's metadata classes, torch dtypes and sizes, builtins."""
+
+    def __init__(self, file: Any, source: str):
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == dcp_metadata.__name__ and isinstance(getattr(dcp_metadata, name, None), type):
+            return getattr(dcp_metadata, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            f"refusing to load checkpoint metadata {self.source}: it references {module}.{name}, "
+            "which is not a DCP metadata type (unpickling it could run code). Only load "
+            "checkpoints this project wrote; delete or re-create this one"
+        )
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose ``read_metadata`` uses the allow-list unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as file:
+            metadata = _MetadataUnpickler(file, str(path)).load()
+        if not isinstance(metadata, dcp_metadata.Metadata):
+            raise UnsafeCheckpointError(f"{path} holds {type(metadata).__name__}, not DCP Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def safe_dcp_load(state: dict[str, Any], path: str | Path, **kwargs: Any) -> None:
+    """``dcp.load`` with the safe metadata reader and the ``weights_only`` planner.
+
+    Raises:
+        UnsafeCheckpointError: The metadata names a global outside the allow-list (read
+            first, so the refusal is not buried in DCP's per-rank error report).
+    """
+    SafeFileSystemReader(str(path)).read_metadata()
+    dcp.load(
+        state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(), **kwargs
+    )
+
+
+def fsync_tree(folder: Path) -> None:
+    """fsync every file under ``folder``, then the folders themselves (bottom-up)."""
+    for root, _dirs, files in os.walk(folder, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(root))
+
+
+def fsync_dir(folder: Path) -> None:
+    """fsync a folder so the renames inside it survive a power loss (no-op where unsupported)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def publish_folder(tmp: Path, final: Path) -> None:
+    """Move a complete ``tmp`` folder to ``final``; at every moment one of them is whole.
+
+    An existing ``final`` is renamed aside first, the new one renamed in, the old deleted.
+    """
+    fsync_tree(tmp)
+    old = final.with_name(final.name + ".old.tmp")
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -81,6 +202,51 @@ def latest_checkpoint(folder: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+def find_checkpoint(root: str | Path, resume: str) -> Path | None:
+    """The checkpoint ``checkpoint.resume`` names under the checkpoint root ``root``.
+
+    Args:
+        root: ``checkpoint.folder``: run folders ``<run id>/step-<n>`` (or ``step-<n>``
+            folders directly, for a worker started by hand).
+        resume: ``never``; ``latest`` (the newest checkpoint of the most recently saved
+            run); a run id (a folder under ``root``); or a checkpoint (or run) folder.
+
+    Raises:
+        FileNotFoundError: ``resume`` names nothing that holds a complete checkpoint.
+    """
+    root = Path(root)
+    if resume in ("never", ""):
+        return None
+    if resume == "latest":
+        own = latest_checkpoint(root)
+        if own is not None:
+            return own
+        runs = [c for c in (latest_checkpoint(d) for d in _subdirs(root)) if c is not None]
+        if not runs:
+            raise FileNotFoundError(
+                f"checkpoint.resume=latest: no run under '{root}' has a complete checkpoint; "
+                "start a new run (checkpoint.resume=never) or point checkpoint.folder at the "
+                "root the earlier run used"
+            )
+        return max(runs, key=lambda c: (c / METADATA).stat().st_mtime)
+    for candidate in (root / resume, Path(resume)):
+        if (candidate / METADATA).is_file():
+            return candidate
+        if candidate.is_dir():
+            found = latest_checkpoint(candidate)
+            if found is not None:
+                return found
+    raise FileNotFoundError(
+        f"checkpoint.resume={resume!r} is neither a run id with a checkpoint under '{root}' nor "
+        f"a checkpoint folder; use never, latest, a folder name under '{root}' or a "
+        "step-<n> path"
+    )
+
+
+def _subdirs(root: Path) -> list[Path]:
+    return [d for d in root.iterdir() if d.is_dir()] if root.is_dir() else []
+
+
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """The ``metadata.json`` of a checkpoint folder."""
     file = Path(path) / METADATA
@@ -114,7 +280,9 @@ def load_model_weights(path: str | Path, model: nn.Module) -> nn.Module:
             warnings.filterwarnings(
                 "ignore", message=".*assuming the intent is to load in a single"
             )
-            dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner(), no_dist=True)
+            safe_dcp_load(state, path, no_dist=True)
+    except UnsafeCheckpointError:
+        raise
     except Exception as err:
         raise RuntimeError(
             f"cannot load model weights from '{path}' into {type(model).__name__}: {err}"
@@ -232,7 +400,8 @@ class CheckpointManager:
         start = time.perf_counter()
         if self.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
+            for stale in self.folder.glob("*.tmp"):  # left by a crash mid-save
+                shutil.rmtree(stale, ignore_errors=True)
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, encode_state(self.per_rank_state()))
         dist.barrier()
@@ -246,9 +415,7 @@ class CheckpointManager:
                 **dict(extra_metadata or {}),
             }
             (tmp / METADATA).write_text(json.dumps(meta, indent=2), encoding="utf-8")
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
+            publish_folder(tmp, final)
             self._prune()
         dist.barrier()
         self.last_saved = final
@@ -259,22 +426,35 @@ class CheckpointManager:
         for _, path in list_checkpoints(self.folder)[: -self.keep_latest_k]:
             shutil.rmtree(path, ignore_errors=True)
 
-    def resolve_resume(self, resume: str) -> Path | None:
-        """The checkpoint ``checkpoint.resume`` points at (``auto``, ``never`` or a path)."""
-        if resume == "never":
-            return None
-        if resume == "auto":
-            return latest_checkpoint(self.folder)
-        path = Path(resume)
-        read_metadata(path)
-        return path
+    def resolve_resume(self, resume: str, *, restarted: bool = False) -> Path | None:
+        """The checkpoint to resume, chosen by rank 0 and broadcast (collective).
+
+        Args:
+            resume: ``checkpoint.resume`` (see ``find_checkpoint``; relative to ``folder``).
+            restarted: torchrun restarted this group: this job's own latest checkpoint in
+                ``folder`` wins over ``resume``.
+        """
+        choice: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                own = latest_checkpoint(self.folder) if restarted else None
+                found = own or find_checkpoint(self.folder, resume)
+                choice[0] = str(found) if found is not None else None
+            except FileNotFoundError as err:
+                choice[0] = err
+        dist.broadcast_object_list(choice, src=0)
+        if isinstance(choice[0], Exception):
+            raise FileNotFoundError(str(choice[0]))
+        return Path(choice[0]) if choice[0] is not None else None
 
     def load(self, path: Path) -> dict[str, Any]:
         """Restore every state from ``path`` (collective) and return its metadata."""
         meta = read_metadata(path)
         loaded: dict[str, Any] = {**self.states, "per_rank": ""}
         try:
-            dcp.load(loaded, checkpoint_id=str(path), planner=SafeLoadPlanner())
+            safe_dcp_load(loaded, path)
+        except UnsafeCheckpointError:
+            raise
         except Exception as err:
             raise RuntimeError(
                 f"cannot resume from checkpoint {path}: it does not match this model and "

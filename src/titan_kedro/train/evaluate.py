@@ -19,7 +19,12 @@ from torch import nn
 
 from titan_kedro.config import ResolvedJob
 from titan_kedro.models.generate import generate
-from titan_kedro.train.checkpoint import latest_checkpoint, load_model_weights, read_metadata
+from titan_kedro.train.checkpoint import (
+    find_checkpoint,
+    latest_checkpoint,
+    load_model_weights,
+    read_metadata,
+)
 from titan_kedro.train.device import resolve_device
 from titan_kedro.train.trainer import build_model
 
@@ -35,7 +40,10 @@ def resolve_checkpoint(training_summary: dict[str, Any], checkpoint_folder: str 
     path = training_summary.get("checkpoint_dir")
     if path and Path(path).is_dir():
         return Path(path)
-    found = latest_checkpoint(checkpoint_folder)
+    try:
+        found = latest_checkpoint(checkpoint_folder) or find_checkpoint(checkpoint_folder, "latest")
+    except FileNotFoundError:
+        found = None
     if found is None:
         raise FileNotFoundError(
             f"no checkpoint to evaluate: the training summary names {path!r} and "

@@ -8,6 +8,7 @@ models, ``expert_load`` as ``[layers][experts]`` fractions) and one MLflow batch
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 import time
@@ -19,6 +20,8 @@ import psutil
 import torch
 
 from titan_kedro.tracking.mlflow_logger import MlflowMetricsSink
+
+logger = logging.getLogger(__name__)
 
 GPU_PEAK_BF16_TFLOPS: dict[str, float] = {
     "H200": 989.0,
@@ -142,6 +145,8 @@ class MetricsLogger:
         start_step: Steps already done (a resumed run).
         append: Keep the rows already in ``metrics.jsonl`` (a resumed run); otherwise the
             file starts empty.
+        run_id: The run the rows belong to, recorded in ``metrics.run_id``; ``append`` to a
+            file another run wrote starts it over instead (that run's rows are in MLflow).
         mlflow: A sink, or None for console and file only.
         progress: Show progress: a live tqdm bar when stderr is a terminal; otherwise
             (under torchrun, whose output is line-based) each console line starts with a
@@ -157,11 +162,20 @@ class MetricsLogger:
         mlflow: MlflowMetricsSink | None = None,
         progress: bool = True,
         append: bool = False,
+        run_id: str | None = None,
     ):
         self.path = Path(dump_folder) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        owner = self.path.with_suffix(".run_id")
+        if append and run_id and owner.is_file() and owner.read_text().strip() != run_id:
+            logger.warning(
+                "%s holds another run's rows; run %s continues in a fresh file", self.path, run_id
+            )
+            append = False
         if not append:
             self.path.write_text("", encoding="utf-8")
+        if run_id:
+            owner.write_text(run_id + "\n", encoding="utf-8")
         self.total_steps = total_steps
         self.mlflow = mlflow
         self._bar = None

@@ -44,7 +44,8 @@ from titan_kedro.train.metrics import (
     peak_tflops,
 )
 from titan_kedro.train.parallel_dims import ParallelDims
-from titan_kedro.train.validation import mean_loss, perplexity
+from titan_kedro.train.run_identity import checkpoint_metadata
+from titan_kedro.train.validation import capped_batches, mean_loss, perplexity
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,12 @@ class Trainer:
         self.val_tokens = None
         if cfg.validation.freq:
             self.val_tokens = open_split(cfg.data.token_dir, "validation")
-            self._validation_loader()  # too few held-out tokens fail now, not mid-run
+            # Too few held-out tokens fail now, not mid-run.
+            self.val_batches = capped_batches(
+                cfg.validation.steps,
+                self._validation_loader().batches_per_epoch,
+                "validation.steps",
+            )
 
         self.state = TrainState()
         self.checkpointer = CheckpointManager(
@@ -168,7 +174,9 @@ class Trainer:
             enable=cfg.checkpoint.enable,
         )
         self.resumed_from: Path | None = None
-        resume = self.checkpointer.resolve_resume(cfg.checkpoint.resume)
+        resume = self.checkpointer.resolve_resume(
+            cfg.checkpoint.resume, restarted=env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0
+        )
         if resume is not None:
             self.checkpointer.load(resume)
             self.resumed_from = resume
@@ -196,6 +204,7 @@ class Trainer:
                 start_step=self.state.step,
                 mlflow=MlflowMetricsSink.from_env(cfg.metrics.enable_mlflow),
                 append=self.resumed_from is not None,
+                run_id=cfg.job.run_id,
             )
 
     def _per_rank_state(self) -> dict[str, Any]:
@@ -288,7 +297,7 @@ class Trainer:
             self.model,
             self._validation_loader(),
             self.loss_fn,  # takes the model's hidden states under the fused loss
-            n_batches=self.cfg.validation.steps,
+            n_batches=self.val_batches,
             device=self.device,
             group=self.dp_group,
         )
@@ -349,7 +358,9 @@ class Trainer:
                     self.metrics.log(step, step_metrics)
                 self.metrics.advance()
             if step % cfg.checkpoint.interval == 0 or step == last_step:
-                self.checkpointer.save(step, {"loss": self.state.last_loss})
+                self.checkpointer.save(
+                    step, {"loss": self.state.last_loss, **checkpoint_metadata(cfg)}
+                )
         summary = {
             "checkpoint_dir": str(self.checkpointer.last_saved)
             if self.checkpointer.last_saved

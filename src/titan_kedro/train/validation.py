@@ -3,12 +3,36 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def capped_batches(requested: int, available: int, setting: str) -> int:
+    """``requested`` batches, at most the ``available`` held-out ones (no window twice).
+
+    Args:
+        requested: Batches asked for (``validation.steps``, ``evaluation.batches``).
+        available: Whole batches in the held-out split (``TokenLoader.batches_per_epoch``).
+        setting: The config key, named in the warning.
+    """
+    if requested > available:
+        logger.warning(
+            "%s=%d but the validation split holds %d batch(es): scoring %d, so no window "
+            "counts twice (add data or raise data.validation_fraction for more)",
+            setting,
+            requested,
+            available,
+            available,
+        )
+        return available
+    return requested
 
 
 def perplexity(loss: float) -> float:

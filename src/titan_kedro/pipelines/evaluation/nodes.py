@@ -60,25 +60,29 @@ def compute_validation_loss(
         name="validation",
     )
     loss_fn = final_model.resolved.spec.build_loss_fn(cfg)
-    val_loss, tokens = validation.mean_loss(
+    eval_loss, tokens = validation.mean_loss(
         final_model.model,
         iter(loader),
         loss_fn,
-        n_batches=min(evaluation["batches"], loader.batches_per_epoch),
+        n_batches=validation.capped_batches(
+            evaluation["batches"], loader.batches_per_epoch, "evaluation.batches"
+        ),
     )
-    val_perplexity = validation.perplexity(val_loss)
-    logger.info("val_loss %.4f (perplexity %.1f) over %d tokens", val_loss, val_perplexity, tokens)
+    eval_perplexity = validation.perplexity(eval_loss)
+    logger.info(
+        "eval_loss %.4f (perplexity %.1f) over %d tokens", eval_loss, eval_perplexity, tokens
+    )
     results = {
         "model": f"{cfg.model.name}/{cfg.model.flavor}",
         "checkpoint": str(final_model.path),
         "step": final_model.step,
-        "val_loss": val_loss,
-        "val_perplexity": val_perplexity,
+        "eval_loss": eval_loss,
+        "eval_perplexity": eval_perplexity,
         "tokens_evaluated": tokens,
     }
     metrics = {
-        "val_loss": {"value": val_loss, "step": final_model.step},
-        "val_perplexity": {"value": val_perplexity, "step": final_model.step},
+        "eval_loss": {"value": eval_loss, "step": final_model.step},
+        "eval_perplexity": {"value": eval_perplexity, "step": final_model.step},
     }
     return results, metrics
 

@@ -1,4 +1,4 @@
-"""Evaluation pipeline: final checkpoint → val_loss / val_perplexity and sample generations."""
+"""Evaluation pipeline: final checkpoint → eval_loss / eval_perplexity and sample generations."""
 
 from __future__ import annotations
 

@@ -58,8 +58,8 @@ def export_final_model(
         "training steps": final_model.step,
         "tokens seen": training_summary.get("tokens_seen"),
         "final training loss": reporting_summary.get("final_loss"),
-        "validation loss": evaluation_results.get("val_loss"),
-        "validation perplexity": evaluation_results.get("val_perplexity"),
+        "validation loss": evaluation_results.get("eval_loss"),
+        "validation perplexity": evaluation_results.get("eval_perplexity"),
     }
     folder = Path(export["folder"])
     files = hf_export.export_hf_folder(

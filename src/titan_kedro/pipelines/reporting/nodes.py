@@ -41,7 +41,7 @@ def plot_loss_curves(
     """Training and validation loss against tokens, with the final evaluation's loss."""
     return plots.plot_loss(
         training_metrics,
-        final_val_loss=evaluation_results.get("val_loss"),
+        final_val_loss=evaluation_results.get("eval_loss"),
         final_tokens=training_summary.get("tokens_seen"),
     )
 
@@ -72,7 +72,7 @@ def summarize_report(
     return {
         **plots.summarize_metrics(training_metrics),
         "wall_time_s": training_summary.get("wall_time_s"),
-        "val_loss": evaluation_results.get("val_loss"),
-        "val_perplexity": evaluation_results.get("val_perplexity"),
+        "eval_loss": evaluation_results.get("eval_loss"),
+        "eval_perplexity": evaluation_results.get("eval_perplexity"),
         "figures": ["loss.png", "learning_rate.png", "throughput.png", "expert_load.png"],
     }

@@ -14,7 +14,9 @@ from typing import Any
 from titan_kedro.config import dump_job_config, resolve_job_config
 from titan_kedro.data.vocab import check_vocab_fits
 from titan_kedro.launch import launch_job, prepare_job
+from titan_kedro.tracking.mlflow_logger import RUN_ID_ENV
 from titan_kedro.train.launch import TrainingFailedError, mlflow_env
+from titan_kedro.train.run_identity import prepare_run
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +28,11 @@ def train_model(
     model_spec: dict[str, Any],
     **sections: dict[str, Any],
 ) -> dict[str, Any]:
-    """Write the resolved job config, run the workers, and return their summary.
+    """Plan the run, write the resolved job config, run the workers, return their summary.
+
+    A new run (``checkpoint.resume: never``) trains from step 0 into
+    ``checkpoint.folder/<MLflow run id>``; otherwise the named run is continued after
+    checking that nothing that changes the maths differs (see ``train.run_identity``).
 
     Args:
         token_metadata: ``metadata.json`` of the token files (orders this node after
@@ -41,13 +47,15 @@ def train_model(
 
     Raises:
         TrainingFailedError: A worker failed; the message holds its log tail.
+        ResumeMismatchError: The continued checkpoint was trained with other maths.
         LaunchCheckError: A remote job could not see its files or reach MLflow.
     """
     del model_spec
     resolved = resolve_job_config(sections)
     check_vocab_fits(token_metadata, int(resolved.model_args.vocab_size))
     env = mlflow_env()
-    cfg = prepare_job(resolved.config, env)
+    planned = prepare_run(resolved.config, token_metadata, env.get(RUN_ID_ENV))
+    cfg = prepare_job(planned, env)
     dump = Path(cfg.job.dump_folder)
     config_path = dump_job_config(cfg, dump / JOB_CONFIG_FILE)
     summary_path = dump / "summary.json"
