@@ -419,7 +419,7 @@ def test_system_metrics_dataset_inputs_and_registered_model(e2e: E2ERun) -> None
 
     raw = yaml.safe_load((e2e.project / "data/07_model_output/job/job_config.yaml").read_text())
     ours = load_checkpoint_model(
-        resolve_job_config(raw), e2e.project / "data/06_models/checkpoints/step-12"
+        resolve_job_config(raw), checkpoint_of(e2e.project, e2e.run, 12)
     ).model.eval()
     stream = np.fromfile(e2e.project / "data/05_model_input/tokens/validation.bin", dtype="<u4")
     tokens = stream[100:132].astype(np.int64)[None]
