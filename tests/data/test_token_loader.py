@@ -1,14 +1,17 @@
-"""TokenLoader: shapes, rank sharding, determinism, exact resume, epoch wrap, too-small errors."""
+"""TokenLoader: shapes, rank sharding, determinism, exact resume (also across world sizes),
+epoch wrap, too-small errors, and no memory that grows with the corpus."""
 
 from __future__ import annotations
 
 import logging
+import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from titan_kedro.data.loader import TokenLoader
+from titan_kedro.data.loader import TokenLoader, WindowPermutation
 
 SEQ = 8
 
@@ -134,3 +137,60 @@ def test_exactly_enough_tokens_for_one_batch() -> None:
     next(loader)
     next(loader)
     assert loader.epoch == 1
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 100, 4097])
+def test_window_permutation_is_a_bijection_that_depends_on_the_key(n: int) -> None:
+    images = WindowPermutation(n, [5, 0])(np.arange(n))
+    assert sorted(images.tolist()) == list(range(n))
+    if n >= 100:
+        assert not np.array_equal(images, WindowPermutation(n, [5, 1])(np.arange(n)))
+        assert not np.array_equal(images, np.arange(n))
+
+
+def test_global_order_does_not_depend_on_the_number_of_ranks() -> None:
+    tokens = _stream()
+    one = _loader(tokens, batch=4)
+    two = [_loader(tokens, rank=r, degree=2, batch=2) for r in range(2)]
+    for _ in range(5):
+        expected = next(one)[0]
+        got = torch.cat([next(loader)[0] for loader in two])
+        assert torch.equal(got, expected)
+
+
+def test_state_from_two_ranks_resumes_on_four_ranks_at_the_same_window() -> None:
+    tokens = _stream()
+    two = [_loader(tokens, rank=r, degree=2, batch=2) for r in range(2)]
+    for _ in range(3):
+        for loader in two:
+            next(loader)
+    state = two[0].state_dict()
+    assert state["windows"] == 12
+    four = [_loader(tokens, rank=r, degree=4, batch=1) for r in range(4)]
+    for loader in four:
+        loader.load_state_dict(state)
+    for _ in range(4):
+        expected = torch.cat([next(loader)[0] for loader in two])
+        assert torch.equal(torch.cat([next(loader)[0] for loader in four]), expected)
+
+
+def test_position_that_is_no_whole_batch_of_the_new_layout_is_refused() -> None:
+    first = _loader(_stream(), batch=3)
+    next(first)
+    with pytest.raises(ValueError, match="3 windows into epoch 0, not a whole number"):
+        _loader(_stream(), batch=2).load_state_dict(first.state_dict())
+
+
+def test_loader_over_a_huge_sparse_file_starts_without_reading_it(tmp_path: Path) -> None:
+    path = tmp_path / "train.bin"
+    with path.open("wb") as handle:
+        handle.truncate(4 * 20_000_000_000)  # 20B uint32 tokens, no disk used
+    tokens = np.memmap(path, dtype="<u4", mode="r")
+    tracemalloc.start()
+    loader = _loader(tokens, batch=8)
+    inputs, _ = next(loader)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert loader.num_windows == (20_000_000_000 - 1) // SEQ
+    assert inputs.shape == (8, SEQ)
+    assert peak < 32 * 2**20  # a bounded index cache, no per-window array (that would be 20 GB)

@@ -102,7 +102,10 @@ def test_llama3_card_through_the_pipeline(test_params: dict[str, Any]) -> None:
     assert card["parameters"]["embedding"] == 102400 * 256
     assert card["seq_len"] == seq_len
     assert card["flops_per_token"] == spec.flops_per_token(args, seq_len)
-    assert card["memory"]["estimate_gib"]["total_gib"] > 0
+    plan = card["plan"]
+    assert plan["world_size"] == test_params["launch"]["nproc_per_node"]
+    assert plan["bytes_per_rank"]["params"] > 0 and plan["fits"]
+    assert plan["cost"]["device_hours"] > 0
     assert json.loads(json.dumps(card)) == card
 
 

@@ -128,3 +128,15 @@ def test_continuing_with_other_maths_fails_before_any_worker_starts(
     assert "training.seq_len: checkpoint 64, now 32" in str(err.value)
     assert "data_fingerprint: checkpoint 'old', now 'new'" in str(err.value)
     assert "model.name" not in str(err.value)
+
+
+def test_node_refuses_a_job_whose_plan_does_not_fit(tmp_path: Path) -> None:
+    from titan_kedro.plan import PlanDoesNotFitError
+
+    tokens = write_token_dir(tmp_path / "tokens")
+    raw = tiny_job(tmp_path, tokens, plan={"device_memory_gib": 0.001, "reserved_gib": 0.0})
+    with pytest.raises(PlanDoesNotFitError) as err:
+        train_model({"vocab_size": 512}, {}, **raw)
+    message = str(err.value)
+    assert "DOES NOT FIT" in message and "would help: more ranks" in message
+    assert not (tmp_path / "job" / "job_config.yaml").exists()  # nothing was launched

@@ -16,6 +16,23 @@ import yaml
 TINY_MODEL = Path(__file__).with_name("tiny_model.py")
 REPO = Path(__file__).resolve().parents[2]
 
+TINY_DEEPSEEK = {
+    "vocab_size": 512,
+    "dim": 64,
+    "n_layers": 3,
+    "n_heads": 4,
+    "max_seq_len": 64,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 16,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "load_balance_bias_update_speed": 0.01,
+}
+"""The debugmodel shrunk to a few hundred thousand parameters (2 MoE layers, 8 experts)."""
+
 
 def write_token_dir(
     folder: Path, *, vocab_size: int = 512, n_train: int = 40_000, seed: int = 0

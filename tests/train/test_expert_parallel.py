@@ -25,6 +25,7 @@ from titan_kedro.train.evaluate import load_checkpoint_model
 from titan_kedro.train.validation import mean_loss
 from train.conftest import make_config
 from train.helpers import (
+    TINY_DEEPSEEK,
     read_metrics,
     run_ranks,
     run_worker,
@@ -32,23 +33,6 @@ from train.helpers import (
     validation_loader,
     write_token_dir,
 )
-
-TINY_DEEPSEEK = {
-    "vocab_size": 512,
-    "dim": 64,
-    "n_layers": 3,
-    "n_heads": 4,
-    "max_seq_len": 64,
-    "kv_lora_rank": 32,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 16,
-    "v_head_dim": 16,
-    "intermediate_size": 128,
-    "moe_intermediate_size": 32,
-    "n_routed_experts": 8,
-    "load_balance_bias_update_speed": 0.01,
-}
-"""The debugmodel shrunk to a few hundred thousand parameters (2 MoE layers, 8 experts)."""
 
 
 def _build(spec: Any, args: Any, seed: int) -> torch.nn.Module:

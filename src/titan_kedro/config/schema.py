@@ -311,6 +311,21 @@ class ExportSection(Section):
     """Alias set on the new registered version (``models:/<name>@<alias>``)."""
 
 
+class PlanSection(Section):
+    gpu: str = "H100"
+    """GPU model planned for ``training.device: cuda`` when this machine has none (``H100``,
+    ``H200``, ``B200``…): its memory and bf16 peak come from the tables."""
+    device_memory_gib: float | None = Field(None, gt=0)
+    """Memory per rank, overriding the GPU table (CUDA) or the host memory / local ranks (CPU)."""
+    reserved_gib: float = Field(2.0, ge=0)
+    """Memory per rank kept free for the CUDA context, allocator fragmentation and
+    communication buffers (which the plan does not count)."""
+    assumed_mfu: float = Field(0.2, gt=0, le=1)
+    """Model-FLOPs utilisation assumed for the wall time and device-hours of ``training.steps``."""
+    enforce: bool = True
+    """The training pipeline refuses to launch a job whose plan does not fit."""
+
+
 class JobConfig(BaseModel):
     """The whole job. Sections may be widened by train-spec extensions."""
 
@@ -330,6 +345,7 @@ class JobConfig(BaseModel):
     validation: ValidationSection = Field(default_factory=ValidationSection)
     evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
     export: ExportSection = Field(default_factory=ExportSection)
+    plan: PlanSection = Field(default_factory=PlanSection)
 
     @model_validator(mode="after")
     def _check_layout(self) -> JobConfig:

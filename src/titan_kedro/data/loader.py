@@ -1,4 +1,9 @@
-"""``TokenLoader``: deterministic, resumable, data-parallel batches from a packed token stream."""
+"""``TokenLoader``: deterministic, resumable, data-parallel batches from a packed token stream.
+
+Memory does not grow with the corpus: the order of windows is a keyed permutation
+(``WindowPermutation``) computed on the fly for the windows of each batch, never an
+array over all windows.
+"""
 
 from __future__ import annotations
 
@@ -11,22 +16,77 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_LAYOUT_KEYS = ("seq_len", "local_batch_size", "dp_degree", "seed", "num_tokens")
+_LAYOUT_KEYS = ("seq_len", "seed", "num_tokens")
+_ROUNDS = 6
+_CACHE_WINDOWS = 1 << 16
+"""Window indices of upcoming batches computed at once (512 KiB), to amortise numpy calls."""
+_MUL_1 = np.uint64(0xBF58476D1CE4E5B9)
+_MUL_2 = np.uint64(0x94D049BB133111EB)
+
+
+class WindowPermutation:
+    """A seeded permutation of ``range(n)`` evaluated index by index (no table).
+
+    A balanced Feistel network over the smallest even number of bits that holds ``n``
+    (a bijection of ``[0, 2**bits)``), restricted to ``[0, n)`` by cycle walking: an
+    image ``≥ n`` is permuted again until it lands below ``n``. Since the domain is
+    less than ``4n``, a few rounds suffice on average. State: six round keys.
+
+    Args:
+        n: Size of the permuted range (≥ 1).
+        key: Seed material (e.g. ``[seed, epoch]``) for ``np.random.default_rng``.
+    """
+
+    def __init__(self, n: int, key: Any):
+        if n < 1:
+            raise ValueError(f"a permutation needs n ≥ 1, got {n}")
+        self.n = n
+        self.half_bits = max(1, ((n - 1).bit_length() + 1) // 2)
+        self._mask = np.uint64((1 << self.half_bits) - 1)
+        self._keys = np.random.default_rng(key).integers(0, 2**63, _ROUNDS, dtype=np.uint64)
+
+    def _round(self, right: np.ndarray, key: np.uint64) -> np.ndarray:
+        v = (right ^ key) * _MUL_1
+        v ^= v >> np.uint64(31)
+        v *= _MUL_2
+        v ^= v >> np.uint64(29)
+        return v & self._mask
+
+    def _feistel(self, x: np.ndarray) -> np.ndarray:
+        shift = np.uint64(self.half_bits)
+        left, right = x >> shift, x & self._mask
+        for key in self._keys:
+            left, right = right, left ^ self._round(right, key)
+        return (left << shift) | right
+
+    def __call__(self, indices: np.ndarray) -> np.ndarray:
+        """Images of ``indices`` (each in ``[0, n)``) as ``int64``."""
+        x = np.asarray(indices, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            y = self._feistel(x)
+            outside = y >= self.n
+            while outside.any():
+                y[outside] = self._feistel(y[outside])
+                outside = y >= self.n
+        return y.astype(np.int64)
 
 
 class TokenLoader:
     """Yields ``(inputs, labels)`` of shape ``[local_batch_size, seq_len]`` (``torch.long``).
 
     The stream is cut into non-overlapping windows of ``seq_len + 1`` tokens (window ``i``
-    starts at ``i * seq_len``); labels are inputs shifted by one. Each epoch shuffles the
-    windows with a generator seeded by ``(seed, epoch)`` and deals them round-robin to the
-    ``dp_degree`` data-parallel ranks, so within an epoch no two ranks see the same window.
-    Every rank gets the same number of batches per epoch; the few windows that do not fill a
-    batch on every rank are left out of that epoch (a different few next epoch). When the
-    epoch ends the loader wraps around, logging the new epoch.
+    starts at ``i * seq_len``); labels are inputs shifted by one. Each epoch orders the
+    windows by a ``WindowPermutation`` keyed by ``(seed, epoch)``; that global order does
+    not depend on the number of ranks. Batch ``b`` of the epoch is global positions
+    ``[b·G, (b+1)·G)`` with ``G = dp_degree × local_batch_size``, and rank ``r`` takes
+    positions ``b·G + r·local_batch_size …`` of it, so within an epoch no two ranks see
+    the same window. The ``num_windows mod G`` windows that do not fill a last batch are
+    left out of that epoch (a different few next epoch). When the epoch ends the loader
+    wraps around, logging the new epoch.
 
-    The position (epoch, batch) is identical on every rank, so ``state_dict()`` from any rank
-    restores all of them.
+    The position is global (windows consumed in this epoch, identical on every rank), so
+    ``state_dict()`` from any rank restores every rank, under any data-parallel degree
+    and batch size whose ``G`` divides that position.
 
     Args:
         tokens: The packed split (``open_split(token_dir, split)``), any 1-D integer array.
@@ -68,7 +128,8 @@ class TokenLoader:
         self.seed = seed
         self.name = name
         self.num_windows = max(0, (len(tokens) - 1) // seq_len)
-        self.batches_per_epoch = self.num_windows // dp_degree // local_batch_size
+        self.global_batch_windows = dp_degree * local_batch_size
+        self.batches_per_epoch = self.num_windows // self.global_batch_windows
         if self.batches_per_epoch == 0:
             needed = dp_degree * local_batch_size * seq_len + 1
             raise ValueError(
@@ -79,9 +140,13 @@ class TokenLoader:
             )
         self.epoch = 0
         self._batch = 0
-        self._order_epoch = -1
-        self._order = np.empty(0, dtype=np.int64)
+        self._permutation: WindowPermutation | None = None
+        self._permutation_epoch = -1
+        self._cache_batches = max(1, _CACHE_WINDOWS // local_batch_size)
+        self._cache_first = -1
+        self._cache = np.empty((0, local_batch_size), dtype=np.int64)
         self._offsets = np.arange(seq_len + 1, dtype=np.int64)
+        self._mine = dp_rank * local_batch_size + np.arange(local_batch_size, dtype=np.int64)
 
     def __iter__(self) -> TokenLoader:
         return self
@@ -97,9 +162,7 @@ class TokenLoader:
                 self.epoch,
                 self.batches_per_epoch,
             )
-        order = self._windows_of_epoch()
-        first = self._batch * self.local_batch_size
-        windows = order[first : first + self.local_batch_size]
+        windows = self._windows(self._batch)
         self._batch += 1
         block = np.asarray(
             self.tokens[(windows * self.seq_len)[:, None] + self._offsets], dtype=np.int64
@@ -108,11 +171,30 @@ class TokenLoader:
         labels = torch.from_numpy(np.ascontiguousarray(block[:, 1:]))
         return inputs, labels
 
+    def _windows(self, batch: int) -> np.ndarray:
+        """This rank's window indices in batch ``batch`` of the current epoch."""
+        if self._permutation_epoch != self.epoch:
+            self._permutation = WindowPermutation(self.num_windows, [self.seed, self.epoch])
+            self._permutation_epoch = self.epoch
+            self._cache_first = -1
+        offset = batch - self._cache_first
+        if self._cache_first < 0 or not 0 <= offset < len(self._cache):
+            stop = min(batch + self._cache_batches, self.batches_per_epoch)
+            batches = np.arange(batch, stop, dtype=np.int64)[:, None]
+            self._cache = self._permutation(batches * self.global_batch_windows + self._mine)
+            self._cache_first, offset = batch, 0
+        return self._cache[offset]
+
     def state_dict(self) -> dict[str, int]:
-        """Position and layout as plain ints (fits in a DCP checkpoint)."""
+        """The global position and the layout, as plain ints (fits in a DCP checkpoint).
+
+        ``windows`` (windows of the global order consumed in this epoch) and ``epoch``
+        are the position; ``local_batch_size`` and ``dp_degree`` are recorded for
+        information only.
+        """
         return {
             "epoch": self.epoch,
-            "batch": self._batch,
+            "windows": self._batch * self.global_batch_windows,
             "seq_len": self.seq_len,
             "local_batch_size": self.local_batch_size,
             "dp_degree": self.dp_degree,
@@ -121,11 +203,14 @@ class TokenLoader:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue exactly after the last batch yielded when ``state`` was taken.
+        """Continue exactly after the last global batch yielded when ``state`` was taken.
+
+        The state may come from another data-parallel degree or batch size: the global
+        order is the same, and this loader continues at the same window.
 
         Raises:
-            ValueError: The state comes from a different layout (sequence length, batch
-                size, data-parallel degree, seed or token file).
+            ValueError: The state comes from other data (sequence length, seed or token
+                file), or its position is not a whole number of this layout's batches.
         """
         mine = self.state_dict()
         for key in _LAYOUT_KEYS:
@@ -134,13 +219,17 @@ class TokenLoader:
                     f"{self.name} loader state has {key}={int(state[key])} but this loader has "
                     f"{mine[key]}; resume with the same data and layout, or start the data order afresh"
                 )
+        if "windows" in state:
+            windows = int(state["windows"])
+        else:  # states written before the position became global
+            windows = int(state["batch"]) * int(state["dp_degree"]) * int(state["local_batch_size"])
+        if windows % self.global_batch_windows:
+            raise ValueError(
+                f"{self.name} loader state is {windows} windows into epoch {int(state['epoch'])}, "
+                f"not a whole number of batches of {self.dp_degree} rank(s) × "
+                f"{self.local_batch_size} samples = {self.global_batch_windows}; resume with a "
+                "data-parallel degree × training.local_batch_size that divides it (keep "
+                "training.global_batch_size)"
+            )
         self.epoch = int(state["epoch"])
-        self._batch = int(state["batch"])
-
-    def _windows_of_epoch(self) -> np.ndarray:
-        if self._order_epoch != self.epoch:
-            rng = np.random.default_rng([self.seed, self.epoch])
-            mine = rng.permutation(self.num_windows)[self.dp_rank :: self.dp_degree]
-            self._order = mine[: self.batches_per_epoch * self.local_batch_size]
-            self._order_epoch = self.epoch
-        return self._order
+        self._batch = windows // self.global_batch_windows

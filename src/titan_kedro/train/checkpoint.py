@@ -15,6 +15,8 @@ only a ``*.tmp`` folder, removed at the next save.
 Saved: the model and optimizer state (sharded, FQN-keyed, so a checkpoint loads under a
 different FSDP layout), the LR schedule, the training counters, and per-rank state (the
 data loader position and RNG states) gathered into one JSON list indexed by rank.
+Under another world size DCP reshards model and optimizer, and rank 0's entry gives the
+(global) data position; RNG states are then reseeded.
 Every value, tensors included, is read back with ``weights_only=True``; the run id and the
 settings that change the maths are in ``metadata.json`` (see ``titan_kedro.train.run_identity``).
 """
@@ -366,7 +368,9 @@ class CheckpointManager:
         states: Name → ``Stateful`` saved by every rank alike (model, optimizer, …).
         per_rank_state: Returns this rank's own state (data position, RNG); gathered
             into a list on save, and this rank's entry is handed to ``restore_per_rank``.
-        restore_per_rank: Applies this rank's entry on load.
+        restore_per_rank: Applies an entry on load as ``restore_per_rank(entry,
+            same_world=...)``: this rank's own entry when the checkpoint's world size
+            matches, else rank 0's (``same_world=False``: restore only global state).
         keep_latest_k: How many complete checkpoints to keep.
         enable: False makes ``save`` a no-op (``resume`` still works).
     """
@@ -461,12 +465,18 @@ class CheckpointManager:
                 f"optimizer ({type(err).__name__}: {str(err)[:500]}). Point checkpoint.folder "
                 "at a fresh folder or set checkpoint.resume: never to start over"
             ) from err
-        if int(meta["world_size"]) == self.world_size:
-            self.restore_per_rank(decode_state(json.loads(loaded["per_rank"])[self.rank]))
-        else:
+        entries = json.loads(loaded["per_rank"])
+        same_world = int(meta["world_size"]) == self.world_size
+        # The data position is global (rank 0's entry serves any world size); RNG states
+        # are per rank and only apply when the world size matches.
+        self.restore_per_rank(
+            decode_state(entries[self.rank if same_world else 0]), same_world=same_world
+        )
+        if not same_world:
             logger.warning(
-                "checkpoint %s was written by %s ranks, now %s: data order and RNG restart "
-                "from the seed (model and optimizer are restored)",
+                "checkpoint %s was written by %s ranks, now %s: model and optimizer are "
+                "resharded and the data position continues; RNG states are reseeded from "
+                "job.seed and the rank",
                 path,
                 meta["world_size"],
                 self.world_size,

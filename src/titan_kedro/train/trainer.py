@@ -210,10 +210,13 @@ class Trainer:
     def _per_rank_state(self) -> dict[str, Any]:
         return {"dataloader": self.train_loader.state_dict(), "rng": rng_state()}
 
-    def _restore_per_rank(self, state: dict[str, Any]) -> None:
-        self.train_loader.load_state_dict(state["dataloader"])
+    def _restore_per_rank(self, state: dict[str, Any], same_world: bool = True) -> None:
+        self.train_loader.load_state_dict(state["dataloader"])  # a global position
         self._train_iter = iter(self.train_loader)
-        set_rng_state(state["rng"])
+        if same_world:
+            set_rng_state(state["rng"])
+        else:
+            torch.manual_seed(self.cfg.job.seed + 1 + self.rank)
 
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, labels = next(self._train_iter)

@@ -8,6 +8,7 @@ from typing import Any
 from titan_kedro.config import resolve_job_config
 from titan_kedro.data.vocab import check_vocab_fits
 from titan_kedro.models.counting import model_card
+from titan_kedro.plan import build_plan, format_plan
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,9 @@ def build_model_spec(
             pipeline passes every one, see ``titan_kedro.pipelines.job_params``).
 
     Returns:
-        The model card (see ``titan_kedro.models.counting.model_card``).
+        The model card (see ``titan_kedro.models.counting.model_card``) with ``plan``, the
+        per-rank memory measured on the sharded model, whether it fits, and the cost
+        (see ``titan_kedro.plan.build_plan``).
 
     Raises:
         ConfigError: Unknown spec, unknown flavor, invalid override or custom-model
@@ -35,17 +38,17 @@ def build_model_spec(
     if token_metadata is not None:
         check_vocab_fits(token_metadata, int(resolved.model_args.vocab_size))
     card = model_card(resolved.spec, resolved.model_args, resolved.config)
+    card["plan"] = build_plan(resolved)
     params = card["parameters"]
     logger.info(
-        "model %s/%s: %s parameters (%s active per token), %.3g GFLOPs/token at seq_len %d, "
-        "~%.2f GiB per device",
+        "model %s/%s: %s parameters (%s active per token), %.3g GFLOPs/token at seq_len %d\n%s",
         card["spec"],
         card["flavor"],
         _millions(params["total"]),
         _millions(params["active"]),
         (card["flops_per_token"] or 0) / 1e9,
         card["seq_len"],
-        card["memory"]["estimate_gib"]["total_gib"],
+        format_plan(card["plan"]),
     )
     return card
 

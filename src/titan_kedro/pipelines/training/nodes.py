@@ -14,6 +14,7 @@ from typing import Any
 from titan_kedro.config import dump_job_config, resolve_job_config
 from titan_kedro.data.vocab import check_vocab_fits
 from titan_kedro.launch import launch_job, prepare_job
+from titan_kedro.plan import build_plan, check_plan_fits, format_plan
 from titan_kedro.tracking.mlflow_logger import RUN_ID_ENV
 from titan_kedro.train.launch import TrainingFailedError, mlflow_env
 from titan_kedro.train.run_identity import prepare_run
@@ -37,7 +38,8 @@ def train_model(
     Args:
         token_metadata: ``metadata.json`` of the token files (orders this node after
             ``data_processing``; its ``vocab_size`` is checked against the model).
-        model_spec: The model card (orders this node after ``model_spec``).
+        model_spec: The model card (orders this node after ``model_spec``). Its plan may
+            be stale, so the plan is measured again for this config before launching.
         **sections: The job-config sections by name (``model``, ``training``, …; the
             pipeline passes every one, see ``titan_kedro.pipelines.job_params``).
 
@@ -46,6 +48,8 @@ def train_model(
         ``launch.dryrun``: ``dryrun: true``, the scheduler and the files written.
 
     Raises:
+        PlanDoesNotFitError: The job needs more memory per rank than its devices have
+            (with ``plan.enforce``); the message holds the numbers and what would help.
         TrainingFailedError: A worker failed; the message holds its log tail.
         ResumeMismatchError: The continued checkpoint was trained with other maths.
         LaunchCheckError: A remote job could not see its files or reach MLflow.
@@ -53,6 +57,9 @@ def train_model(
     del model_spec
     resolved = resolve_job_config(sections)
     check_vocab_fits(token_metadata, int(resolved.model_args.vocab_size))
+    plan = build_plan(resolved)
+    logger.info("%s", format_plan(plan))
+    check_plan_fits(plan, enforce=resolved.config.plan.enforce)
     env = mlflow_env()
     planned = prepare_run(resolved.config, token_metadata, env.get(RUN_ID_ENV))
     cfg = prepare_job(planned, env)

@@ -1,0 +1,86 @@
+"""What the planned device offers: memory and peak FLOP/s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+
+from titan_kedro.train.metrics import gpu_peak_tflops, measure_matmul_tflops
+
+GPU_MEMORY_GIB: dict[str, float] = {
+    "H200": 141.0,
+    "H100": 80.0,
+    "H800": 80.0,
+    "H20": 96.0,
+    "B200": 180.0,
+    "GB200": 186.0,
+    "A100": 80.0,
+    "A800": 80.0,
+    "A10G": 24.0,
+    "A10": 24.0,
+    "L40S": 48.0,
+    "L40": 48.0,
+    "L4": 24.0,
+    "RTX 4090": 24.0,
+    "RTX 3090": 24.0,
+    "V100": 32.0,
+    "T4": 16.0,
+}
+"""Device memory per GPU model, in GiB as the vendors state it (largest variant)."""
+
+
+@dataclass(frozen=True)
+class PlannedDevice:
+    """The device one rank runs on."""
+
+    kind: str
+    """``cuda`` or ``cpu``."""
+    name: str
+    """GPU model (``H100``…) or ``cpu``."""
+    memory_gib: float
+    """Memory one rank may use."""
+    peak_tflops: float
+    """Dense peak in the compute dtype (the MFU denominator)."""
+
+
+def _lookup(table: dict[str, float], name: str) -> float | None:
+    upper = name.upper()
+    for key in sorted(table, key=len, reverse=True):
+        if key in upper:
+            return table[key]
+    return None
+
+
+def planned_device(job_config: Any, compute_dtype: torch.dtype) -> PlannedDevice:
+    """The device of ``training.device`` with ``plan`` overrides applied.
+
+    CUDA: this machine's GPU if it has one, else ``plan.gpu``; memory from
+    ``plan.device_memory_gib`` or ``GPU_MEMORY_GIB``, peak from ``metrics.peak_tflops`` or
+    the bf16 table. CPU: the host memory shared by ``launch.nproc_per_node`` ranks (or
+    ``plan.device_memory_gib``), and a measured matmul rate (or ``metrics.peak_tflops``).
+
+    Raises:
+        ValueError: The GPU model is in neither table and no override is set.
+    """
+    plan = job_config.plan
+    device = job_config.training.device
+    on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    override_peak = job_config.metrics.peak_tflops
+    if on_gpu:
+        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else plan.gpu
+        memory = plan.device_memory_gib or _lookup(GPU_MEMORY_GIB, name)
+        peak = override_peak or gpu_peak_tflops(name)
+        if memory is None or peak is None:
+            raise ValueError(
+                f"plan: GPU '{name}' is not in the memory/peak tables; set "
+                f"plan.device_memory_gib and metrics.peak_tflops (known: {sorted(GPU_MEMORY_GIB)})"
+            )
+        return PlannedDevice("cuda", name, float(memory), float(peak))
+    memory = plan.device_memory_gib or (
+        psutil.virtual_memory().total / 2**30 / job_config.launch.nproc_per_node
+    )
+    peak = override_peak or measure_matmul_tflops(compute_dtype, "cpu", min_seconds=0.1)
+    return PlannedDevice("cpu", "cpu", float(memory), float(peak))

@@ -1,0 +1,86 @@
+"""Four ranks: EP nested in larger FSDP/HSDP groups, and resuming on another world size.
+
+FSDP 4 + EP 2, EP 4 and HSDP 2×2 + EP 2 must train exactly like one process that
+accumulates the same global batch; a run stopped after 3 steps on 2 ranks and continued
+on 4 ranks (same global batch) must give the losses of an uninterrupted 2-rank run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from titan_kedro.train.faults import CRASH_RANK_ENV, CRASH_STEP_ENV
+from train.helpers import (
+    TINY_DEEPSEEK,
+    read_metrics,
+    run_worker,
+    step_losses,
+    tiny_job,
+    write_token_dir,
+)
+
+pytestmark = pytest.mark.slow
+
+LAYOUTS = {
+    "fsdp4_ep2": {"expert_parallel_degree": 2},
+    "ep4": {"expert_parallel_degree": 4},
+    "hsdp2x2_ep2": {"expert_parallel_degree": 2, "data_parallel_replicate_degree": 2},
+}
+
+
+def _moe_job(root: Path, tokens: Path, name: str, parallelism: dict[str, Any]) -> dict[str, Any]:
+    return tiny_job(
+        root / name,
+        tokens,
+        model={"name": "deepseek_v2", "custom_model_path": None, "overrides": TINY_DEEPSEEK},
+        training={"steps": 3, "global_batch_size": 8, "max_norm": 0.5},
+        parallelism=parallelism,
+        checkpoint={"enable": False},
+    )
+
+
+def test_four_rank_ep_layouts_train_like_one_process_with_accumulation(tmp_path: Path) -> None:
+    tokens = write_token_dir(tmp_path / "tokens", n_train=4_000)
+    reference_job = _moe_job(tmp_path, tokens, "one", {})
+    run_worker(reference_job, nproc=1)
+    reference = read_metrics(reference_job["job"]["dump_folder"])
+    assert [row["step"] for row in reference] == [1, 2, 3]
+    assert reference[-1]["loss"] < reference[0]["loss"]
+    for name, parallelism in LAYOUTS.items():
+        job = _moe_job(tmp_path, tokens, name, parallelism)
+        run_worker(job, nproc=4, timeout_s=300)
+        rows = read_metrics(job["job"]["dump_folder"])
+        assert [row["step"] for row in rows] == [1, 2, 3], name
+        for ours, theirs in zip(rows, reference, strict=True):
+            for key in ("loss", "grad_norm", "moe_aux_loss"):
+                assert ours[key] == pytest.approx(theirs[key], rel=1e-5), (name, ours["step"], key)
+
+
+RESUME_JOB: dict[str, Any] = {
+    "training": {"steps": 6, "local_batch_size": 2, "global_batch_size": 8},
+    "checkpoint": {"interval": 3},
+}
+
+
+def test_two_ranks_then_four_ranks_continue_like_an_uninterrupted_run(tmp_path: Path) -> None:
+    tokens = write_token_dir(tmp_path / "tokens")
+    straight = tiny_job(tmp_path / "straight", tokens, **RESUME_JOB)
+    run_worker(straight, nproc=2)
+    reference = step_losses(straight["job"]["dump_folder"])
+
+    job = tiny_job(tmp_path / "resized", tokens, **RESUME_JOB)
+    stopped = run_worker(
+        job, nproc=2, extra_env={CRASH_STEP_ENV: "4", CRASH_RANK_ENV: "0"}, check=False
+    )
+    assert stopped.returncode != 0 and (tmp_path / "resized" / "ckpt" / "step-3").is_dir()
+    continued = run_worker(job, nproc=4, timeout_s=300)
+    output = continued.stdout + continued.stderr
+    assert "written by 2 ranks, now 4" in output and "step-3" in output
+    resumed = step_losses(job["job"]["dump_folder"])
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    assert len({round(reference[s], 6) for s in (4, 5, 6)}) == 3  # the losses really change
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(reference[step], abs=1e-5), step
