@@ -258,6 +258,9 @@ class CheckpointSection(Section):
     resume: str = "never"
     """``never``: a new run; ``latest``: continue the most recently saved run; a run id; or a
     checkpoint path. Continuing reopens that run's MLflow run."""
+    initial_load_hf: str | None = None
+    """Hugging Face folder (safetensors + ``config.json``) whose weights start a new run
+    (continued pretraining); ignored when the run continues from its own checkpoint."""
 
 
 class MetricsSection(Section):
@@ -267,6 +270,9 @@ class MetricsSection(Section):
     """Send metrics to the MLflow run given by ``MLFLOW_RUN_ID``."""
     peak_tflops: float | None = Field(None, gt=0)
     """Override the device peak used for MFU (None: table for GPUs, measured on CPU)."""
+    system_metrics_interval_s: float = Field(10.0, ge=0)
+    """Seconds between MLflow system-metric samples (CPU, memory, disk, network, GPU) of each
+    node, logged as ``system/...`` into the run; 0 disables them."""
 
 
 class ValidationSection(Section):
@@ -302,6 +308,10 @@ class ExportSection(Section):
     """Largest absolute logit difference (float32) that counts as a faithful export."""
     max_shard_gib: float = Field(5.0, gt=0)
     """Weights larger than this are split into ``model-0000i-of-0000n.safetensors`` shards."""
+    registered_model_name: str | None = None
+    """MLflow registry name the export is registered under (None: ``job.name``)."""
+    alias: str = "candidate"
+    """Alias set on the new registered version (``models:/<name>@<alias>``)."""
 
 
 class PlanSection(Section):

@@ -65,16 +65,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     raw = load_raw_config(config_file, overrides)
     resolved = resolve_job_config(raw, source=config_file or "command line")
 
+    from titan_kedro.tracking.system_metrics import NodeSystemMetrics
     from titan_kedro.train.device import keep_freed_memory_mapped
     from titan_kedro.train.trainer import Trainer
 
     if resolved.config.training.device != "cuda":
         keep_freed_memory_mapped()
-    trainer = Trainer(resolved)
+    metrics_cfg = resolved.config.metrics
+    system_metrics = NodeSystemMetrics(
+        metrics_cfg.system_metrics_interval_s, enable=metrics_cfg.enable_mlflow
+    )
+    system_metrics.start()
     try:
-        summary = trainer.train()
+        trainer = Trainer(resolved)
+        try:
+            summary = trainer.train()
+        finally:
+            trainer.close()
     finally:
-        trainer.close()
+        system_metrics.stop()
     if rank == 0:
         logging.getLogger(__name__).info("training finished: %s", summary)
     return 0

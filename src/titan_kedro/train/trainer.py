@@ -37,6 +37,7 @@ from titan_kedro.train.fused_loss import (
     defer_output_projection,
 )
 from titan_kedro.train.grad_clip import clip_grad_norm_
+from titan_kedro.train.hf_init import load_hf_weights
 from titan_kedro.train.metrics import (
     MetricsLogger,
     expert_load_stats,
@@ -184,6 +185,10 @@ class Trainer:
             self.checkpointer.load(resume)
             self.resumed_from = resume
             logger.info("resumed from %s at step %d", resume, self.state.step)
+        elif cfg.checkpoint.initial_load_hf:  # a fresh run continues from published weights
+            load_hf_weights(
+                self.model_parts, self.spec, self.model_args, cfg.checkpoint.initial_load_hf
+            )
 
         seq_len = cfg.training.seq_len
         flops = self.spec.flops_per_token

@@ -6,11 +6,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import mlflow
 import numpy as np
 import torch
 
 from titan_kedro.data.tokenizer import build_tokenizer
 from titan_kedro.models import hf_export
+from titan_kedro.tracking.model_registry import register_hf_folder
 from titan_kedro.train.evaluate import LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,8 @@ def export_final_model(
     """Write the Hugging Face folder, check it against our model, and describe it.
 
     Consumes ``reporting_summary`` so it runs last; its numbers go into the model card.
+    Inside an MLflow run the folder is also registered (``export.registered_model_name``,
+    default ``job.name``, with ``export.alias``).
 
     Returns:
         The export manifest: folder, files, config facts, and the logit comparison.
@@ -98,4 +102,9 @@ def export_final_model(
                 export["tolerance"],
                 reason,
             )
+    if mlflow.active_run() is not None:
+        registered = register_hf_folder(
+            folder, name=cfg.export.registered_model_name or cfg.job.name, alias=cfg.export.alias
+        )
+        manifest["registered_model"] = registered.to_dict()
     return manifest

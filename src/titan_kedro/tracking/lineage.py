@@ -1,0 +1,128 @@
+"""Dataset lineage for the MLflow run: the raw C4 source and the token files it became.
+
+Three ``mlflow.log_input`` records, built from the data stage's ``metadata.json``:
+
+- ``c4-raw`` (context ``raw``): one row per source shard: name, size, documents,
+  tokens, skipped, and the file's sha256 (local shards), or the hub dataset, config,
+  split and revision (``source: hub``);
+- ``tokens-train`` / ``tokens-validation`` (contexts ``train`` / ``validation``): the
+  split's file, bytes, sha256, documents and tokens; the digest is the data fingerprint.
+
+The records describe files already on disk, so a run that only reads the token files
+(a continued or later-stage run) logs the same ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+RAW_CONTEXT = "raw"
+SPLITS = ("train", "validation")
+
+
+def file_sha256(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk_bytes):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _raw_rows(metadata: Mapping[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for source in metadata.get("sources") or []:
+        path = source.get("path")
+        row = {
+            "name": source.get("name"),
+            "path": path,
+            "size_bytes": source.get("size_bytes"),
+            "documents": source.get("documents"),
+            "tokens": source.get("tokens"),
+            "skipped": source.get("skipped"),
+            "sha256": file_sha256(path) if path and Path(path).is_file() else None,
+        }
+        for key in ("dataset", "config", "split", "revision"):
+            if key in source:
+                row[key] = source[key]
+        rows.append(row)
+    return rows
+
+
+def lineage_datasets(metadata: Mapping[str, Any], data: Mapping[str, Any]) -> list[tuple[Any, str]]:
+    """The MLflow datasets and their contexts for ``metadata`` (the token ``metadata.json``).
+
+    Args:
+        metadata: The data stage's metadata (``sources``, ``splits``, ``fingerprint``).
+        data: The ``data`` parameters (``source``, ``raw_dir``, ``hub_*``, ``token_dir``).
+    """
+    import pandas as pd
+    from mlflow.data import from_pandas
+    from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
+
+    rows = _raw_rows(metadata)
+    if data.get("source") == "hub":
+        source: Any = HuggingFaceDatasetSource(
+            path=str(data.get("hub_dataset")),
+            config_name=data.get("hub_config"),
+            split=data.get("hub_split"),
+        )
+    else:
+        source = str(Path(str(data.get("raw_dir", "data/01_raw/c4"))).resolve())
+    raw_digest = hashlib.sha256(
+        "".join(f"{r['name']}:{r['size_bytes']}:{r['sha256']}" for r in rows).encode()
+    ).hexdigest()[:16]
+    out = [
+        (
+            from_pandas(pd.DataFrame(rows), source=source, name="c4-raw", digest=raw_digest),
+            RAW_CONTEXT,
+        )
+    ]
+    token_dir = Path(str(data.get("token_dir", "data/05_model_input/tokens"))).resolve()
+    fingerprint = str(metadata.get("fingerprint") or metadata.get("data_fingerprint") or "")
+    splits = metadata.get("splits") or {}
+    for split in SPLITS:
+        info = splits.get(split)
+        if not info:
+            continue
+        row = {
+            "split": split,
+            "file": info.get("file"),
+            "bytes": info.get("bytes"),
+            "sha256": info.get("sha256"),
+            "documents": info.get("documents"),
+            "tokens": info.get("tokens"),
+            "fingerprint": fingerprint,
+            "tokenizer": (metadata.get("tokenizer") or {}).get("name")
+            if isinstance(metadata.get("tokenizer"), Mapping)
+            else metadata.get("tokenizer"),
+        }
+        digest = (str(info.get("sha256") or fingerprint) or split)[:16]
+        dataset = from_pandas(
+            pd.DataFrame([row]),
+            source=str(token_dir / str(info.get("file") or f"{split}.bin")),
+            name=f"tokens-{split}",
+            digest=digest,
+        )
+        out.append((dataset, split))
+    return out
+
+
+def log_lineage(run_id: str, metadata: Mapping[str, Any], data: Mapping[str, Any]) -> int:
+    """Log the lineage datasets into ``run_id``; returns how many were logged."""
+    from mlflow import MlflowClient
+    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    inputs = [
+        DatasetInput(
+            dataset=dataset._to_mlflow_entity(),
+            tags=[InputTag(key=MLFLOW_DATASET_CONTEXT, value=context)],
+        )
+        for dataset, context in lineage_datasets(metadata, data)
+    ]
+    MlflowClient().log_inputs(run_id, datasets=inputs)
+    return len(inputs)

@@ -1,0 +1,274 @@
+"""Start a fresh run from a Hugging Face folder (continued pretraining).
+
+``checkpoint.initial_load_hf`` names a folder with ``config.json`` and safetensors weights
+(one ``model.safetensors`` or shards with ``model.safetensors.index.json``). The folder's
+config must describe the configured model (``check_hf_config``); the spec's
+``state_dict_adapter.from_hf`` maps the names. Every rank reads only the part of each
+tensor that its FSDP / expert-parallel shard holds: the adapter runs over lazy tensor
+handles, and each local chunk is read with ``safe_open(...).get_slice(name)[...]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+log = logging.getLogger(__name__)
+
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+# Args that do not change the weights: the rotary table length, the init scale and the
+# auxiliary-loss settings may differ from the folder's.
+_IGNORED_ARGS = frozenset({"max_seq_len", "initializer_range", "aux_loss_alpha", "seq_aux"})
+Index = tuple[slice, ...]
+
+
+class HFInitError(ValueError):
+    """The Hugging Face folder does not fit the configured model (the message says how)."""
+
+
+def _full_index(shape: Sequence[int]) -> Index:
+    return tuple(slice(0, n) for n in shape)
+
+
+class _Lazy:
+    """A tensor not read yet: ``shape`` is known, ``read(index)`` returns that block."""
+
+    shape: torch.Size
+    device = torch.device("cpu")
+
+    def read(self, index: Index) -> torch.Tensor:
+        raise NotImplementedError
+
+    def chunk(self, chunks: int, dim: int = 0) -> list[_Lazy]:
+        size = -(-self.shape[dim] // chunks)
+        return [
+            _Narrow(self, dim, start, min(size, self.shape[dim] - start))
+            for start in range(0, self.shape[dim], size)
+        ]
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.stack and kwargs.get("dim", args[1] if len(args) > 1 else 0) == 0:
+            return _Stack(list(args[0]))
+        raise TypeError(f"a state_dict_adapter applied {func} to a lazily read tensor")
+
+
+class _Source(_Lazy):
+    def __init__(self, handle: Any, name: str):
+        self.handle, self.name = handle, name
+        self.shape = torch.Size(handle.get_slice(name).get_shape())
+
+    def read(self, index: Index) -> torch.Tensor:
+        return self.handle.get_slice(self.name)[index]
+
+
+class _Narrow(_Lazy):
+    def __init__(self, base: _Lazy, dim: int, start: int, length: int):
+        self.base, self.dim, self.start = base, dim, start
+        shape = list(base.shape)
+        shape[dim] = length
+        self.shape = torch.Size(shape)
+
+    def read(self, index: Index) -> torch.Tensor:
+        index = list(index)
+        part = index[self.dim]
+        index[self.dim] = slice(part.start + self.start, part.stop + self.start)
+        return self.base.read(tuple(index))
+
+
+class _Stack(_Lazy):
+    def __init__(self, parts: list[_Lazy]):
+        self.parts = parts
+        self.shape = torch.Size([len(parts), *parts[0].shape])
+
+    def read(self, index: Index) -> torch.Tensor:
+        rows = range(index[0].start, index[0].stop)
+        return torch.stack([self.parts[i].read(index[1:]) for i in rows])
+
+
+def _read(value: Any, index: Index) -> torch.Tensor:
+    if isinstance(value, _Lazy):
+        return value.read(index)
+    return value[index]
+
+
+def _open_folder(folder: Path, stack: list[Any]) -> dict[str, _Source]:
+    from safetensors import safe_open
+
+    index_file = folder / SAFETENSORS_INDEX
+    if index_file.is_file():
+        weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (folder / SAFETENSORS_FILE).is_file():
+        files = [SAFETENSORS_FILE]
+    else:
+        raise HFInitError(
+            f"checkpoint.initial_load_hf: {folder} has neither {SAFETENSORS_FILE} nor "
+            f"{SAFETENSORS_INDEX}; point it at a Hugging Face model folder with safetensors weights"
+        )
+    sources: dict[str, _Source] = {}
+    for name in files:
+        handle = safe_open(str(folder / name), framework="pt", device="cpu")
+        stack.append(handle)
+        for key in handle.keys():
+            sources[key] = _Source(handle, key)
+    return sources
+
+
+def check_hf_config(spec: Any, model_args: Any, folder: str | Path) -> None:
+    """Fail unless ``folder/config.json`` describes the same network as ``model_args``.
+
+    Both sides go through the spec adapter's ``args_from_hf_config``, so only what the
+    Hugging Face config can say is compared (not ``max_seq_len`` or loss settings).
+
+    Raises:
+        HFInitError: No adapter, no ``config.json``, or differing fields (all listed).
+    """
+    from transformers import AutoConfig
+
+    folder = Path(folder)
+    adapter = spec.state_dict_adapter
+    if adapter is None:
+        raise HFInitError(
+            f"checkpoint.initial_load_hf is set but model '{spec.name}' has no "
+            "state_dict_adapter (no Hugging Face counterpart); unset it or add an adapter"
+        )
+    if not (folder / "config.json").is_file():
+        raise HFInitError(
+            f"checkpoint.initial_load_hf: {folder / 'config.json'} not found; point it at a "
+            "Hugging Face model folder (config.json + safetensors)"
+        )
+    theirs = adapter.args_from_hf_config(AutoConfig.from_pretrained(str(folder)))
+    ours = adapter.args_from_hf_config(adapter.hf_config_from_args(model_args))
+    differing = [
+        f"{field.name}: folder {getattr(theirs, field.name)!r}, config {getattr(ours, field.name)!r}"
+        for field in dataclasses.fields(ours)
+        if field.name not in _IGNORED_ARGS
+        and getattr(theirs, field.name) != getattr(ours, field.name)
+    ]
+    if differing:
+        raise HFInitError(
+            f"checkpoint.initial_load_hf: {folder / 'config.json'} does not match the configured "
+            f"model ({spec.name}):\n  " + "\n  ".join(differing) + "\nSet model.flavor / "
+            "model.overrides to the folder's values (or choose a matching folder)."
+        )
+
+
+_MAX_PROBE = 1 << 24
+
+
+def _local_indices(tensor: DTensor) -> list[torch.Tensor] | None:
+    """For each dim, the global indices this rank holds (None: too large to probe).
+
+    Sharding a small probe (the global indices of every sharded dim) with the tensor's own
+    placements and ``src_data_rank=None`` (no communication) gives the exact layout, also
+    for ``_StridedShard`` (FSDP over expert-parallel experts).
+    """
+    sharded = sorted({p.dim for p in tensor.placements if p.is_shard()})
+    shape = [tensor.shape[d] if d in sharded else 1 for d in range(tensor.ndim)]
+    if math.prod(shape) > _MAX_PROBE:
+        return None
+    out = []
+    for dim in range(tensor.ndim):
+        if dim not in sharded:
+            out.append(torch.arange(tensor.shape[dim]))
+            continue
+        view = [1] * tensor.ndim
+        view[dim] = shape[dim]
+        probe = torch.arange(shape[dim]).view(view).expand(shape).contiguous()
+        local = distribute_tensor(
+            probe, tensor.device_mesh, tensor.placements, src_data_rank=None
+        ).to_local()
+        first = [0] * tensor.ndim
+        first[dim] = slice(None)
+        out.append(local[tuple(first)].cpu() if local.numel() else torch.empty(0, dtype=torch.long))
+    return out
+
+
+def _read_rows(value: Any, indices: list[torch.Tensor]) -> torch.Tensor:
+    """Read the bounding box of ``indices`` and keep exactly those rows of each dim."""
+    box = tuple(slice(int(i.min()), int(i.max()) + 1) for i in indices)
+    block = _read(value, box)
+    for dim, (index, part) in enumerate(zip(indices, box, strict=True)):
+        if not torch.equal(index, torch.arange(part.start, part.stop)):  # not one run
+            block = block.index_select(dim, index - part.start)
+    return block
+
+
+@torch.no_grad()
+def load_hf_weights(
+    model_parts: Sequence[nn.Module], spec: Any, model_args: Any, folder: str | Path
+) -> int:
+    """Copy the folder's weights into the (sharded) model parts, in place.
+
+    Args:
+        model_parts: The parallelized model parts (FSDP / EP DTensors or plain tensors).
+        spec: The train spec; its ``state_dict_adapter.from_hf`` maps the names.
+        model_args: The configured model args, checked against ``config.json``.
+        folder: The Hugging Face folder.
+
+    Returns:
+        Bytes read from the safetensors files by this rank.
+
+    Raises:
+        HFInitError: Config mismatch, missing files, or keys missing/extra after mapping.
+    """
+    folder = Path(folder)
+    check_hf_config(spec, model_args, folder)
+    handles: list[Any] = []
+    ours = spec.state_dict_adapter.from_hf(_open_folder(folder, handles))
+    targets: dict[str, torch.Tensor] = {}
+    for part in model_parts:
+        targets.update(get_model_state_dict(part))
+    missing, extra = sorted(set(targets) - set(ours)), sorted(set(ours) - set(targets))
+    if missing or extra:
+        raise HFInitError(
+            f"checkpoint.initial_load_hf: the weights of {folder} do not cover the model: "
+            f"missing {missing[:8]}, unexpected {extra[:8]}"
+        )
+    read_bytes = 0
+    for key, target in targets.items():
+        value = ours[key]
+        if tuple(value.shape) != tuple(target.shape):
+            raise HFInitError(
+                f"checkpoint.initial_load_hf: {key} has shape {tuple(value.shape)} in {folder}, "
+                f"the model expects {tuple(target.shape)}"
+            )
+        local = target.to_local() if isinstance(target, DTensor) else target
+        if not local.numel():
+            continue
+        indices = (
+            _local_indices(target)
+            if isinstance(target, DTensor)
+            else [torch.arange(n) for n in target.shape]
+        )
+        if indices is None:  # too large to probe: read all, keep our part
+            full = _read(value, _full_index(value.shape)).to(target.dtype)
+            block = distribute_tensor(
+                full, target.device_mesh, target.placements, src_data_rank=None
+            ).to_local()
+            read_bytes += full.numel() * full.element_size()
+        else:
+            block = _read_rows(value, indices)
+            read_bytes += block.numel() * block.element_size()
+        if tuple(block.shape) != tuple(local.shape):
+            raise HFInitError(
+                f"{key}: read a block of {tuple(block.shape)}, local shard is "
+                f"{tuple(local.shape)} (unsupported placements {target.placements})"
+            )
+        local.copy_(block.to(device=local.device, dtype=local.dtype))
+    stored = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    log.info("initialised from %s: this rank read %d of %d bytes", folder, read_bytes, stored)
+    return read_bytes
