@@ -76,6 +76,8 @@ def test_two_ranks_then_four_ranks_continue_like_an_uninterrupted_run(tmp_path: 
         job, nproc=2, extra_env={CRASH_STEP_ENV: "4", CRASH_RANK_ENV: "0"}, check=False
     )
     assert stopped.returncode != 0 and (tmp_path / "resized" / "ckpt" / "step-3").is_dir()
+    # Continuing is explicit (checkpoint.resume defaults to never).
+    job["checkpoint"] = {**job["checkpoint"], "resume": "latest"}
     continued = run_worker(job, nproc=4, timeout_s=300)
     output = continued.stdout + continued.stderr
     assert "written by 2 ranks, now 4" in output and "step-3" in output
