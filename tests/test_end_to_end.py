@@ -280,6 +280,55 @@ def test_a_failed_training_marks_the_mlflow_run_failed(
     assert runs[0].data.tags["model.spec"] == "deepseek_v2"  # our hook ran before the failure
 
 
+# Runs before the `rerun` fixture: later runs register new versions and move the alias.
+@pytest.mark.slow
+def test_system_metrics_dataset_inputs_and_registered_model(e2e: E2ERun) -> None:
+    import mlflow
+
+    run_id = e2e.run.info.run_id
+    system = [key for key in e2e.run.data.metrics if key.startswith("system/node-0/")]
+    assert "system/node-0/cpu_utilization_percentage" in system
+    assert "system/node-0/system_memory_usage_megabytes" in system
+
+    inputs = {
+        i.dataset.name: {t.key: t.value for t in i.tags}.get("mlflow.data.context")
+        for i in e2e.run.inputs.dataset_inputs
+    }
+    assert inputs == {"c4-raw": "raw", "tokens-train": "train", "tokens-validation": "validation"}
+    metadata = json.loads(
+        (e2e.project / "data/05_model_input/tokens/metadata.json").read_text(encoding="utf-8")
+    )
+    train = next(i for i in e2e.run.inputs.dataset_inputs if i.dataset.name == "tokens-train")
+    assert train.dataset.digest == metadata["splits"]["train"]["sha256"][:16]
+
+    manifest = json.loads(e2e.artifact_text("model/hf_export.json"))
+    registered = manifest["registered_model"]
+    assert registered["alias"] == "candidate"
+    assert registered["name"] == e2e.run.data.tags["job.name"]  # the default: job.name
+    version = e2e.client.get_model_version_by_alias(registered["name"], "candidate")
+    assert version.run_id == run_id and version.version == str(registered["version"])
+
+    mlflow.set_tracking_uri(f"sqlite:///{e2e.project / 'mlflow.db'}")
+    try:
+        loaded = mlflow.pyfunc.load_model(f"models:/{registered['name']}@candidate")
+    finally:
+        mlflow.set_tracking_uri(None)
+    from titan_kedro.config import resolve_job_config
+    from titan_kedro.train.evaluate import load_checkpoint_model
+
+    raw = yaml.safe_load((e2e.project / "data/07_model_output/job/job_config.yaml").read_text())
+    ours = load_checkpoint_model(
+        resolve_job_config(raw), checkpoint_of(e2e.project, e2e.run, 12)
+    ).model.eval()
+    stream = np.fromfile(e2e.project / "data/05_model_input/tokens/validation.bin", dtype="<u4")
+    tokens = stream[100:132].astype(np.int64)[None]
+    theirs = loaded.predict({"input_ids": tokens})
+    with torch.no_grad():
+        expected = ours(torch.from_numpy(tokens)).numpy()
+    assert theirs.shape == expected.shape
+    assert float(np.abs(theirs - expected).max()) <= 1e-4
+
+
 @pytest.fixture(scope="module")
 def rerun(e2e: E2ERun) -> list[Run]:
     """A second ``kedro run --env test`` right after the first; both runs, oldest first."""
@@ -380,54 +429,6 @@ def test_copy_project_leaves_out_local_config(tmp_path: Path) -> None:
     assert (project / "conf" / "base" / "mlflow.yml").is_file()
     assert list((project / "conf" / "local").iterdir()) == []
     assert all((project / "data" / layer).is_dir() for layer in DATA_LAYERS)
-
-
-@pytest.mark.slow
-def test_system_metrics_dataset_inputs_and_registered_model(e2e: E2ERun) -> None:
-    import mlflow
-
-    run_id = e2e.run.info.run_id
-    system = [key for key in e2e.run.data.metrics if key.startswith("system/node-0/")]
-    assert "system/node-0/cpu_utilization_percentage" in system
-    assert "system/node-0/system_memory_usage_megabytes" in system
-
-    inputs = {
-        i.dataset.name: {t.key: t.value for t in i.tags}.get("mlflow.data.context")
-        for i in e2e.run.inputs.dataset_inputs
-    }
-    assert inputs == {"c4-raw": "raw", "tokens-train": "train", "tokens-validation": "validation"}
-    metadata = json.loads(
-        (e2e.project / "data/05_model_input/tokens/metadata.json").read_text(encoding="utf-8")
-    )
-    train = next(i for i in e2e.run.inputs.dataset_inputs if i.dataset.name == "tokens-train")
-    assert train.dataset.digest == metadata["splits"]["train"]["sha256"][:16]
-
-    manifest = json.loads(e2e.artifact_text("model/hf_export.json"))
-    registered = manifest["registered_model"]
-    assert registered["alias"] == "candidate"
-    assert registered["name"] == e2e.run.data.tags["job.name"]  # the default: job.name
-    version = e2e.client.get_model_version_by_alias(registered["name"], "candidate")
-    assert version.run_id == run_id
-
-    mlflow.set_tracking_uri(f"sqlite:///{e2e.project / 'mlflow.db'}")
-    try:
-        loaded = mlflow.pyfunc.load_model(f"models:/{registered['name']}@candidate")
-    finally:
-        mlflow.set_tracking_uri(None)
-    from titan_kedro.config import resolve_job_config
-    from titan_kedro.train.evaluate import load_checkpoint_model
-
-    raw = yaml.safe_load((e2e.project / "data/07_model_output/job/job_config.yaml").read_text())
-    ours = load_checkpoint_model(
-        resolve_job_config(raw), checkpoint_of(e2e.project, e2e.run, 12)
-    ).model.eval()
-    stream = np.fromfile(e2e.project / "data/05_model_input/tokens/validation.bin", dtype="<u4")
-    tokens = stream[100:132].astype(np.int64)[None]
-    theirs = loaded.predict({"input_ids": tokens})
-    with torch.no_grad():
-        expected = ours(torch.from_numpy(tokens)).numpy()
-    assert theirs.shape == expected.shape
-    assert float(np.abs(theirs - expected).max()) <= 1e-4
 
 
 @pytest.mark.slow
