@@ -306,7 +306,7 @@ def test_system_metrics_dataset_inputs_and_registered_model(e2e: E2ERun) -> None
     assert registered["alias"] == "candidate"
     assert registered["name"] == e2e.run.data.tags["job.name"]  # the default: job.name
     version = e2e.client.get_model_version_by_alias(registered["name"], "candidate")
-    assert version.run_id == run_id and version.version == str(registered["version"])
+    assert version.run_id == run_id and str(version.version) == str(registered["version"])
 
     mlflow.set_tracking_uri(f"sqlite:///{e2e.project / 'mlflow.db'}")
     try:
