@@ -5,31 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.models.test_deepseek_v2 import TINY
 from titan_kedro.models import get_train_spec
 from titan_kedro.models.common import attention, document_mask, document_positions
-from titan_kedro.models.deepseek_v2 import DeepSeekV2ModelArgs
 
 BOS = 1
 
 # MLA with decoupled RoPE and MoE layers; Llama 3 with grouped-query attention.
 MODELS = {
-    "deepseek_v2": DeepSeekV2ModelArgs(
-        vocab_size=96,
-        dim=32,
-        n_layers=3,
-        n_heads=2,
-        max_seq_len=64,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=8,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        first_k_dense_replace=1,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-    ),
+    "deepseek_v2": TINY,
     "llama3": get_train_spec("llama3").resolve_args(
         "debugmodel", {"vocab_size": 96, "n_layers": 2, "dim": 64, "n_heads": 4, "n_kv_heads": 2}
     ),

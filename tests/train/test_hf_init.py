@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from tests.train.helpers import (
+    TINY_DEEPSEEK,
     run_worker,
     step_losses,
     tiny_job,
     validation_loader,
     write_token_dir,
 )
-from tests.train.test_expert_parallel import TINY_DEEPSEEK
 from titan_kedro.config import resolve_job_config
 from titan_kedro.data.loader import TokenLoader
 from titan_kedro.data.token_store import open_split

@@ -77,6 +77,26 @@ def _buffer(
     return buf[:numel].view(shape)
 
 
+def _accumulate_grads(  # noqa: PLR0917
+    grad: torch.Tensor,
+    hc: torch.Tensor,
+    weight: torch.Tensor,
+    grad_h: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+    start: int,
+    stop: int,
+) -> None:
+    """Write one chunk's hidden-state gradient and add its weight gradient (fp32)."""
+    if grad_h is not None:
+        torch.mm(grad, weight, out=grad_h[start:stop])
+    if grad_w is None:
+        return
+    if hc.dtype == torch.float32:
+        grad_w.addmm_(grad.t(), hc)
+    else:  # bf16 product, accumulated in fp32
+        grad_w.add_(grad.t() @ hc)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]  # noqa: PLR0917
@@ -115,12 +135,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     continue
                 row_loss, grad = _compiled("grad")(low, target, valid.to(torch.float32) / n_valid)
                 total += (row_loss * valid).sum()
-                if grad_h is not None:
-                    torch.mm(grad, weight, out=grad_h[start:stop])
-                if grad_w is not None and dtype == torch.float32:
-                    grad_w.addmm_(grad.t(), hc)
-                elif grad_w is not None:
-                    grad_w.add_(grad.t() @ hc)
+                _accumulate_grads(grad, hc, weight, grad_h, grad_w, start, stop)
                 continue
             if dtype == torch.float32:
                 logits = low
@@ -145,12 +160,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             else:
                 grad = low
                 grad.copy_(logits)
-            if grad_h is not None:
-                torch.mm(grad, weight, out=grad_h[start:stop])
-            if grad_w is not None and dtype == torch.float32:
-                grad_w.addmm_(grad.t(), hc)
-            elif grad_w is not None:
-                grad_w.add_(grad.t() @ hc)
+            _accumulate_grads(grad, hc, weight, grad_h, grad_w, start, stop)
         ctx.save_for_backward(
             grad_h if grad_h is not None else torch.empty(0),
             grad_w if grad_w is not None else torch.empty(0),
