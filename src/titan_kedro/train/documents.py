@@ -10,10 +10,8 @@ positions restart at each document; the model does the masking
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,12 +52,6 @@ def masking_bos_id(config: Any, model: nn.Module, metadata: Mapping[str, Any]) -
         )
         return None
     return int(bos)
-
-
-def token_metadata(token_dir: str | Path) -> dict[str, Any]:
-    """The token folder's ``metadata.json``, or ``{}`` when it has none."""
-    path = Path(token_dir) / "metadata.json"
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
 def document_inputs(tokens: torch.Tensor, bos_id: int | None) -> dict[str, torch.Tensor]:

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from titan_kedro.data import token_store
 from titan_kedro.train.checkpoint import find_checkpoint, read_metadata
 
 MATH_KEY = "math"
@@ -145,15 +144,16 @@ def describe_changes(changes: Mapping[str, tuple[Any, Any]]) -> str:
     return "; ".join(f"{k}: {a} -> {b}" for k, (a, b) in changes.items())
 
 
-def checkpoint_metadata(cfg: Any) -> dict[str, Any]:
-    """What a checkpoint's ``metadata.json`` records about its run (rank 0 writes it)."""
-    try:
-        tokens = token_store.read_metadata(cfg.data.token_dir)
-    except (OSError, ValueError):
-        tokens = None
+def checkpoint_metadata(cfg: Any, token_metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What a checkpoint's ``metadata.json`` records about its run (rank 0 writes it).
+
+    Args:
+        cfg: The workers' job config.
+        token_metadata: The token files' ``metadata.json`` (None: fingerprints unknown).
+    """
     return {
         RUN_ID_KEY: cfg.job.run_id,
-        MATH_KEY: math_settings(cfg, tokens),
+        MATH_KEY: math_settings(cfg, token_metadata),
         SCHEDULE_KEY: schedule_settings(cfg),
     }
 

@@ -24,12 +24,13 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_kedro.config import ResolvedJob
+from titan_kedro.data.token_store import read_metadata
 from titan_kedro.models.parallel import training_dtypes
 from titan_kedro.models.registry import default_build_loss
 from titan_kedro.tracking.mlflow_logger import MlflowMetricsSink
 from titan_kedro.train.checkpoint import CheckpointManager, ModelState, rng_state, set_rng_state
 from titan_kedro.train.device import env_int, init_process_group, resolve_device, set_cpu_threads
-from titan_kedro.train.documents import document_inputs, masking_bos_id, token_metadata
+from titan_kedro.train.documents import document_inputs, masking_bos_id
 from titan_kedro.train.faults import maybe_crash
 from titan_kedro.train.fused_loss import (
     FusedOutputLoss,
@@ -126,7 +127,13 @@ class Trainer:
             and self.spec.build_loss_fn is default_build_loss
             and can_defer_output_projection(model)
         )
-        self.document_bos = masking_bos_id(cfg, model, token_metadata(cfg.data.token_dir))
+        try:
+            tokens_meta = read_metadata(cfg.data.token_dir)
+        except FileNotFoundError:  # token files written by hand: no fingerprints, no BOS
+            tokens_meta = {}
+        self.document_bos = masking_bos_id(cfg, model, tokens_meta)
+        # Recorded in every checkpoint's metadata.json; fixed for the whole run.
+        self.run_metadata = checkpoint_metadata(cfg, tokens_meta)
         if self.fused_loss:
             self.loss_fn = FusedOutputLoss(
                 defer_output_projection(model), compile=cfg.training.compile
@@ -366,9 +373,7 @@ class Trainer:
                     self.metrics.log(step, step_metrics)
                 self.metrics.advance()
             if step % cfg.checkpoint.interval == 0 or step == last_step:
-                self.checkpointer.save(
-                    step, {"loss": self.state.last_loss, **checkpoint_metadata(cfg)}
-                )
+                self.checkpointer.save(step, {"loss": self.state.last_loss, **self.run_metadata})
         summary = {
             "checkpoint_dir": str(self.checkpointer.last_saved)
             if self.checkpointer.last_saved
