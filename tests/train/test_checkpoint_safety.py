@@ -16,8 +16,10 @@ from titan_kedro.train.checkpoint import (
     METADATA,
     UnsafeCheckpointError,
     find_checkpoint,
+    latest_checkpoint,
     load_model_weights,
     publish_folder,
+    recover_interrupted_publish,
 )
 from titan_kedro.train.run_identity import (
     ResumeMismatchError,
@@ -84,6 +86,18 @@ def _fake_checkpoint(folder: Path, **meta: object) -> Path:
     folder.mkdir(parents=True)
     (folder / METADATA).write_text(json.dumps({"step": 1, **meta}), encoding="utf-8")
     return folder
+
+
+def test_a_crash_between_the_publishing_renames_loses_no_checkpoint(tmp_path: Path) -> None:
+    _fake_checkpoint(tmp_path / "step-3")
+    # publish_folder renamed step-6 aside, then died before renaming the new copy in.
+    _fake_checkpoint(tmp_path / "step-6.old.tmp", step=6)
+    (tmp_path / "step-9.old.tmp").mkdir()  # never completed: not a checkpoint
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-3"
+    assert recover_interrupted_publish(tmp_path) == [tmp_path / "step-6"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-6"
+    assert json.loads((tmp_path / "step-6" / METADATA).read_text())["step"] == 6
+    assert (tmp_path / "step-9.old.tmp").is_dir()  # left for the *.tmp sweep
 
 
 def test_resume_resolves_never_latest_run_id_and_path(tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ Every load path (resume, evaluation, export, ``load_model_weights``) reads DCP's
 ``.metadata`` through ``SafeFileSystemReader``, whose unpickler admits only DCP's metadata
 classes, torch dtypes/sizes and a few builtins, so a crafted checkpoint cannot run code.
 A save fsyncs its files and folder before the rename that publishes it; a crash leaves
-only a ``*.tmp`` folder, removed at the next save.
+only a ``*.tmp`` folder, removed at the next save (a ``step-N.old.tmp`` whose replacement
+never arrived is first renamed back to ``step-N``).
 
 Saved: the model and optimizer state (sharded, FQN-keyed, so a checkpoint loads under a
 different FSDP layout), the LR schedule, the training counters, and per-rank state (the
@@ -165,6 +166,23 @@ def publish_folder(tmp: Path, final: Path) -> None:
     tmp.rename(final)
     fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_interrupted_publish(folder: Path) -> list[Path]:
+    """Put back a ``step-N`` that a crash between ``publish_folder``'s two renames left as
+    ``step-N.old.tmp`` (a complete, published copy), so cleaning ``*.tmp`` never deletes it.
+
+    Returns:
+        The restored folders.
+    """
+    restored = []
+    for old in sorted(folder.glob("step-*.old.tmp")) if folder.is_dir() else []:
+        final = old.with_name(old.name.removesuffix(".old.tmp"))
+        if _STEP_DIR.match(final.name) and not final.exists() and (old / METADATA).is_file():
+            logger.warning("restoring %s from %s (a save was interrupted mid-publish)", final, old)
+            old.rename(final)
+            restored.append(final)
+    return restored
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -404,6 +422,7 @@ class CheckpointManager:
         start = time.perf_counter()
         if self.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
+            recover_interrupted_publish(self.folder)
             for stale in self.folder.glob("*.tmp"):  # left by a crash mid-save
                 shutil.rmtree(stale, ignore_errors=True)
         gathered: list[Any] = [None] * self.world_size
@@ -441,6 +460,7 @@ class CheckpointManager:
         choice: list[Any] = [None]
         if self.rank == 0:
             try:
+                recover_interrupted_publish(self.folder)
                 own = latest_checkpoint(self.folder) if restarted else None
                 found = own or find_checkpoint(self.folder, resume)
                 choice[0] = str(found) if found is not None else None
