@@ -9,7 +9,9 @@ consume. This hook runs after it and adds what makes a run reproducible and comp
 - every parameter, flattened (``optimizer.lr``), also those no node reads directly;
 - artifacts: the resolved job config (``config/job_config.yaml``), the model card
   (``model/model_spec.json``), the token metadata (``data/metadata.json``) and the training
-  summary (``training/summary.json``).
+  summary (``training/summary.json``);
+- dataset inputs (``tracking/lineage.py``): the raw C4 source and the token splits, logged
+  with the token metadata.
 
 Everything goes through ``MlflowClient`` with the run id captured when the run starts, so
 it lands in the right run whatever thread a node runs in. With tracking disabled for the
@@ -34,6 +36,8 @@ from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
 
 from titan_kedro.config import resolve_job_config
 from titan_kedro.config.load import flatten
+from titan_kedro.data.token_store import token_fingerprints
+from titan_kedro.tracking.lineage import log_lineage
 
 logger = logging.getLogger(__name__)
 
@@ -78,18 +82,8 @@ def git_revision(*folders: Path) -> tuple[str, bool] | None:
 
 
 def fingerprint_tags(metadata: Mapping[str, Any]) -> dict[str, str]:
-    """Tokenizer and data fingerprints from the data stage's ``metadata.json``.
-
-    The data fingerprint is the top-level ``fingerprint`` (or ``data_fingerprint``); the
-    tokenizer's is ``tokenizer.fingerprint`` (or ``tokenizer_fingerprint``).
-    """
-    tokenizer = metadata.get("tokenizer")
-    candidates = {
-        "tokenizer_fingerprint": metadata.get("tokenizer_fingerprint")
-        or (tokenizer.get("fingerprint") if isinstance(tokenizer, Mapping) else None),
-        "data_fingerprint": metadata.get("data_fingerprint") or metadata.get("fingerprint"),
-    }
-    return {key: str(value) for key, value in candidates.items() if value is not None}
+    """Tokenizer and data fingerprints from the data stage's ``metadata.json``, as tags."""
+    return {key: str(value) for key, value in token_fingerprints(metadata).items()}
 
 
 def loggable_params(params: Mapping[str, Any]) -> dict[str, str]:
@@ -176,6 +170,8 @@ class MlflowRunTagsHook:
         if dataset_name == "token_metadata":
             for key, value in fingerprint_tags(data).items():
                 client.set_tag(self._run_id, key, value)
+            count = log_lineage(self._run_id, data, self._context.params.get("data") or {})
+            logger.info("logged %d dataset inputs (raw C4 and token splits)", count)
 
     @hook_impl
     def after_dataset_saved(self, dataset_name: str, data: Any, node: Any) -> None:

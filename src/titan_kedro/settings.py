@@ -6,7 +6,6 @@ from kedro.config import OmegaConfigLoader
 from omegaconf.resolvers import oc
 
 from titan_kedro.hooks import ValidateJobConfigHook
-from titan_kedro.lineage_hooks import DatasetLineageHook
 from titan_kedro.mlflow_hooks import MlflowRunTagsHook
 from titan_kedro.resume_hook import ContinueRunHook
 
@@ -15,7 +14,7 @@ from titan_kedro.resume_hook import ContinueRunHook
 warnings.filterwarnings("ignore", message=r"register_new_resolver\(\) is deprecated")
 
 # kedro-mlflow registers its own hooks through its entry point.
-HOOKS = (ValidateJobConfigHook(), ContinueRunHook(), MlflowRunTagsHook(), DatasetLineageHook())
+HOOKS = (ValidateJobConfigHook(), ContinueRunHook(), MlflowRunTagsHook())
 
 CONFIG_LOADER_CLASS = OmegaConfigLoader
 CONFIG_LOADER_ARGS = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gzip
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -120,6 +121,7 @@ def test_sample_becomes_packed_token_files(
     assert meta["splits"]["train"]["tokenizer"]["fingerprint"] == meta["tokenizer"]["fingerprint"]
     assert meta["sources"][0]["name"] == shard.name
     assert meta["sources"][0]["size_bytes"] == shard.stat().st_size
+    assert meta["sources"][0]["sha256"] == hashlib.sha256(shard.read_bytes()).hexdigest()
     assert len(meta["fingerprint"]) == 16
     assert json.loads((token_dir / "metadata.json").read_text()) == meta
 

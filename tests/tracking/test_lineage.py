@@ -27,6 +27,7 @@ def test_raw_and_token_splits_are_logged_with_contexts(tmp_path: Path) -> None:
                 "documents": 1,
                 "tokens": 4,
                 "skipped": 0,
+                "sha256": hashlib.sha256(shard.read_bytes()).hexdigest(),
             },
         ],
         "splits": {

@@ -8,7 +8,9 @@ section through extensions (see ``titan_kedro.config.extensions``).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import functools
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -17,6 +19,18 @@ class Section(BaseModel):
     """Base of every config section: strict about unknown keys, validated on assignment."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+SectionT = TypeVar("SectionT", bound=BaseModel)
+
+
+def section_from_params(model: type[SectionT], params: Mapping[str, Any] | None) -> SectionT:
+    """One section from its Kedro parameters, keeping only the base section's own fields.
+
+    Fields that train-spec extensions add were validated already by the project hook.
+    """
+    known = {k: v for k, v in (params or {}).items() if k in model.model_fields}
+    return model.model_validate(known)
 
 
 class JobSection(Section):
@@ -180,13 +194,16 @@ class ParallelismSection(Section):
 
 LOCAL_SCHEDULER = "local"
 """``launch.scheduler`` value for torchrun on this machine, without TorchX."""
+LOCAL_CWD_SCHEDULER = "local_cwd"
+"""TorchX's scheduler for several torchrun agents on this machine (tests and demos)."""
 
 
-def scheduler_names() -> list[str]:
+@functools.cache
+def scheduler_names() -> tuple[str, ...]:
     """Valid ``launch.scheduler`` values: ``local`` and every scheduler TorchX offers."""
     from torchx.schedulers import get_scheduler_factories
 
-    return [LOCAL_SCHEDULER, *get_scheduler_factories()]
+    return (LOCAL_SCHEDULER, *get_scheduler_factories())
 
 
 class LaunchResources(Section):
@@ -233,6 +250,8 @@ class LaunchSection(Section):
     @field_validator("scheduler")
     @classmethod
     def _known_scheduler(cls, value: str) -> str:
+        if value == LOCAL_SCHEDULER:  # the default needs no TorchX import
+            return value
         names = scheduler_names()
         if value not in names:
             raise ValueError(

@@ -6,6 +6,7 @@ fixes, when there is nothing to read (never train on nothing).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -19,6 +20,15 @@ from titan_kedro.data.hub import hub_offline, hub_reachable
 logger = logging.getLogger(__name__)
 
 SHARD_SUFFIXES = (".json", ".json.gz", ".jsonl", ".jsonl.gz")
+
+
+def file_sha256(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk_bytes):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 class NoDataSourceError(RuntimeError):
@@ -75,7 +85,13 @@ class ShardFile:
         return {"kind": "file", "name": self.name, "size": self.size, "mtime_ns": self.mtime_ns}
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "path": str(self.path), "size_bytes": self.size}
+        """Recorded once, when the shard is processed (the manifest keeps it for reruns)."""
+        return {
+            "name": self.name,
+            "path": str(self.path),
+            "size_bytes": self.size,
+            "sha256": file_sha256(self.path),
+        }
 
     @property
     def size_hint(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -66,6 +67,22 @@ def read_metadata(token_dir: str | Path) -> dict[str, Any]:
             f"no {path}; create the token files with `kedro run --pipelines data_processing`"
         )
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+def token_fingerprints(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """``tokenizer_fingerprint`` and ``data_fingerprint`` of a token folder's metadata.
+
+    The data fingerprint is the top-level ``fingerprint`` (or ``data_fingerprint``); the
+    tokenizer's is ``tokenizer.fingerprint`` (or ``tokenizer_fingerprint``). Missing ones
+    are left out; values are as stored.
+    """
+    tokenizer = metadata.get("tokenizer")
+    candidates = {
+        "tokenizer_fingerprint": metadata.get("tokenizer_fingerprint")
+        or (tokenizer.get("fingerprint") if isinstance(tokenizer, Mapping) else None),
+        "data_fingerprint": metadata.get("data_fingerprint") or metadata.get("fingerprint"),
+    }
+    return {key: value for key, value in candidates.items() if value is not None}
 
 
 def write_json_atomic(path: str | Path, data: Any) -> None:

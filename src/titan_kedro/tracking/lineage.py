@@ -3,7 +3,7 @@
 Three ``mlflow.log_input`` records, built from the data stage's ``metadata.json``:
 
 - ``c4-raw`` (context ``raw``): one row per source shard: name, size, documents,
-  tokens, skipped, and the file's sha256 (local shards), or the hub dataset, config,
+  tokens, skipped, and the file's sha256 (local shards; recorded by the data stage), or the hub dataset, config,
   split and revision (``source: hub``);
 - ``tokens-train`` / ``tokens-validation`` (contexts ``train`` / ``validation``): the
   split's file, bytes, sha256, documents and tokens; the digest is the data fingerprint.
@@ -19,17 +19,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from titan_kedro.config.schema import DataSection, section_from_params
+from titan_kedro.data.token_store import token_fingerprints
+
 RAW_CONTEXT = "raw"
 SPLITS = ("train", "validation")
-
-
-def file_sha256(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
-    """Hex sha256 of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk_bytes):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _raw_rows(metadata: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -43,7 +37,7 @@ def _raw_rows(metadata: Mapping[str, Any]) -> list[dict[str, Any]]:
             "documents": source.get("documents"),
             "tokens": source.get("tokens"),
             "skipped": source.get("skipped"),
-            "sha256": file_sha256(path) if path and Path(path).is_file() else None,
+            "sha256": source.get("sha256"),  # hashed once, when data_processing read it
         }
         for key in ("dataset", "config", "split", "revision"):
             if key in source:
@@ -63,15 +57,14 @@ def lineage_datasets(metadata: Mapping[str, Any], data: Mapping[str, Any]) -> li
     from mlflow.data import from_pandas
     from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
 
+    section = section_from_params(DataSection, data)
     rows = _raw_rows(metadata)
-    if data.get("source") == "hub":
+    if section.source == "hub":
         source: Any = HuggingFaceDatasetSource(
-            path=str(data.get("hub_dataset")),
-            config_name=data.get("hub_config"),
-            split=data.get("hub_split"),
+            path=section.hub_dataset, config_name=section.hub_config, split=section.hub_split
         )
     else:
-        source = str(Path(str(data.get("raw_dir", "data/01_raw/c4"))).resolve())
+        source = str(Path(section.raw_dir).resolve())
     raw_digest = hashlib.sha256(
         "".join(f"{r['name']}:{r['size_bytes']}:{r['sha256']}" for r in rows).encode()
     ).hexdigest()[:16]
@@ -81,8 +74,8 @@ def lineage_datasets(metadata: Mapping[str, Any], data: Mapping[str, Any]) -> li
             RAW_CONTEXT,
         )
     ]
-    token_dir = Path(str(data.get("token_dir", "data/05_model_input/tokens"))).resolve()
-    fingerprint = str(metadata.get("fingerprint") or metadata.get("data_fingerprint") or "")
+    token_dir = Path(section.token_dir).resolve()
+    fingerprint = str(token_fingerprints(metadata).get("data_fingerprint") or "")
     splits = metadata.get("splits") or {}
     for split in SPLITS:
         info = splits.get(split)

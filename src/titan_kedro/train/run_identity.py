@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from titan_kedro.data.token_store import token_fingerprints
 from titan_kedro.train.checkpoint import find_checkpoint, read_metadata
 
 MATH_KEY = "math"
@@ -88,14 +89,7 @@ def math_settings(cfg: Any, token_metadata: Mapping[str, Any] | None) -> dict[st
         "training.seq_len": cfg.training.seq_len,
         "global_batch_size": cfg.global_batch_size,
     }
-    meta = token_metadata or {}
-    tokenizer = meta.get("tokenizer")
-    fingerprints = {
-        "tokenizer_fingerprint": meta.get("tokenizer_fingerprint")
-        or (tokenizer.get("fingerprint") if isinstance(tokenizer, Mapping) else None),
-        "data_fingerprint": meta.get("data_fingerprint") or meta.get("fingerprint"),
-    }
-    settings.update({k: v for k, v in fingerprints.items() if v is not None})
+    settings.update(token_fingerprints(token_metadata or {}))
     return settings
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from titan_kedro.config.schema import DataSection, TokenizerSection
+from titan_kedro.config.schema import DataSection, TokenizerSection, section_from_params
 from titan_kedro.data.packing import PackedSplit, plan_split
 from titan_kedro.data.shard_store import ShardStore
 from titan_kedro.data.shard_tokenizing import tokenize_sources
@@ -39,7 +39,7 @@ def clean_documents(
     Raises:
         NoDataSourceError: No local shards (``source: local``) or no hub (``source: hub``).
     """
-    cfg = _section(DataSection, data)
+    cfg = section_from_params(DataSection, data)
     shards = []
     if cfg.source == "local":
         shards = [
@@ -59,8 +59,8 @@ def tokenize_documents(
         ``{"store", "tokenizer", "shards"}``: the intermediate folder, the tokenizer's
         identity and ids, and one manifest entry per source (counts, skips, damage).
     """
-    cfg = _section(DataSection, data)
-    tok = build_tokenizer(_section(TokenizerSection, tokenizer).name_or_path)
+    cfg = section_from_params(DataSection, data)
+    tok = build_tokenizer(section_from_params(TokenizerSection, tokenizer).name_or_path)
     store = ShardStore(cfg.intermediate_dir)
     entries = tokenize_sources(
         c4_documents,
@@ -89,7 +89,7 @@ def tokenize_documents(
 
 def split_documents(c4_token_shards: Mapping[str, Any], data: Mapping[str, Any]) -> dict[str, Any]:
     """Assign documents to train/validation by text hash; count documents and tokens per split."""
-    cfg = _section(DataSection, data)
+    cfg = section_from_params(DataSection, data)
     store = ShardStore(c4_token_shards["store"])
     plan = plan_split(store, c4_token_shards["shards"], cfg.validation_fraction)
     for split in SPLITS:
@@ -171,7 +171,7 @@ def save_token_metadata(token_files: Mapping[str, Any], data: Mapping[str, Any])
         ValueError: The files are inconsistent, or the catalog's ``token_files`` folder is not
             ``data.token_dir`` (where training reads them).
     """
-    cfg = _section(DataSection, data)
+    cfg = section_from_params(DataSection, data)
     meta = dict(token_files["metadata"])
     for split in SPLITS:
         _check_stream(split, token_files[split], meta)
@@ -204,9 +204,3 @@ def _check_stream(split: str, tokens: np.ndarray, meta: Mapping[str, Any]) -> No
     top = max(int(head.max()), int(tail.max()))
     if top >= vocab:
         raise ValueError(f"{split}.bin holds token id {top} ≥ vocab_size {vocab}")
-
-
-def _section(model: type[Any], params: Mapping[str, Any]) -> Any:
-    # Fields added by train-spec extensions were validated by the project hook already.
-    known = {k: v for k, v in (params or {}).items() if k in model.model_fields}
-    return model.model_validate(known)
