@@ -8,7 +8,7 @@ from typing import Any
 import psutil
 import torch
 
-from titan_kedro.train.metrics import gpu_peak_tflops, measure_matmul_tflops
+from titan_kedro.train.metrics import gpu_peak_tflops, lookup_gpu, measure_matmul_tflops
 
 GPU_MEMORY_GIB: dict[str, float] = {
     "H200": 141.0,
@@ -46,12 +46,10 @@ class PlannedDevice:
     """Dense peak in the compute dtype (the MFU denominator)."""
 
 
-def _lookup(table: dict[str, float], name: str) -> float | None:
-    upper = name.upper()
-    for key in sorted(table, key=len, reverse=True):
-        if key in upper:
-            return table[key]
-    return None
+def planned_kind(job_config: Any) -> str:
+    """``cuda`` or ``cpu``: what ``training.device`` means for the plan (``auto``: this machine)."""
+    device = job_config.training.device
+    return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
 
 
 def planned_device(job_config: Any, compute_dtype: torch.dtype) -> PlannedDevice:
@@ -66,12 +64,10 @@ def planned_device(job_config: Any, compute_dtype: torch.dtype) -> PlannedDevice
         ValueError: The GPU model is in neither table and no override is set.
     """
     plan = job_config.plan
-    device = job_config.training.device
-    on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     override_peak = job_config.metrics.peak_tflops
-    if on_gpu:
+    if planned_kind(job_config) == "cuda":
         name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else plan.gpu
-        memory = plan.device_memory_gib or _lookup(GPU_MEMORY_GIB, name)
+        memory = plan.device_memory_gib or lookup_gpu(GPU_MEMORY_GIB, name)
         peak = override_peak or gpu_peak_tflops(name)
         if memory is None or peak is None:
             raise ValueError(

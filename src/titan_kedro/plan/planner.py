@@ -12,7 +12,7 @@ from titan_kedro.config import ResolvedJob
 from titan_kedro.models.counting import count_parameters
 from titan_kedro.models.parallel import training_dtypes
 from titan_kedro.models.registry import default_build_loss
-from titan_kedro.plan.devices import planned_device
+from titan_kedro.plan.devices import planned_device, planned_kind
 from titan_kedro.plan.fake_world import fake_process_group
 from titan_kedro.plan.memory import activation_bytes, measure_sharded
 from titan_kedro.train.fused_loss import can_defer_output_projection
@@ -58,9 +58,8 @@ def build_plan(resolved: ResolvedJob) -> dict[str, Any]:
     cfg, spec, args = resolved.config, resolved.spec, resolved.model_args
     world = cfg.launch.world_size
     dims = ParallelDims.from_config(cfg, world, torch.device("cpu"))
-    probe = planned_device(cfg, torch.float32)
-    compute_dtype, reduce_dtype = training_dtypes(cfg, torch.device(probe.kind))
-    device = planned_device(cfg, compute_dtype) if compute_dtype != torch.float32 else probe
+    compute_dtype, reduce_dtype = training_dtypes(cfg, torch.device(planned_kind(cfg)))
+    device = planned_device(cfg, compute_dtype)
     tokens = cfg.training.local_batch_size * cfg.training.seq_len
     with fake_process_group(world):
         dims.build_mesh()

@@ -45,13 +45,18 @@ GPU_PEAK_BF16_TFLOPS: dict[str, float] = {
 """Dense bf16 (fp16 for V100/T4) tensor-core peak per device, in TFLOP/s."""
 
 
+def lookup_gpu(table: dict[str, float], device_name: str) -> float | None:
+    """The entry of ``table`` whose key is the longest part of ``device_name`` (case-blind)."""
+    name = device_name.upper()
+    for key in sorted(table, key=len, reverse=True):
+        if key in name:
+            return table[key]
+    return None
+
+
 def gpu_peak_tflops(device_name: str) -> float | None:
     """Peak dense bf16 TFLOP/s for a CUDA device name (``NVIDIA H100 80GB HBM3`` → 989)."""
-    name = device_name.upper()
-    for key in sorted(GPU_PEAK_BF16_TFLOPS, key=len, reverse=True):
-        if key in name:
-            return GPU_PEAK_BF16_TFLOPS[key]
-    return None
+    return lookup_gpu(GPU_PEAK_BF16_TFLOPS, device_name)
 
 
 def measure_matmul_tflops(
