@@ -19,13 +19,14 @@ from typing import Any
 from torchx import specs
 from torchx.specs import macros
 
+from titan_kedro.config.schema import LOCAL_CWD_SCHEDULER
 from titan_kedro.train.launch import torchrun_command
 
 ROLE = "train"
 """The role's name (``dist.ddp`` names it after the module: ``titan_kedro.train``)."""
 RDZV_PORT = 29500
 """Rendezvous port on the rank-0 node (``dist.ddp``'s default; exposed as port ``c10d``)."""
-HOST_SCHEDULERS = frozenset({"local_cwd", "slurm"})
+HOST_SCHEDULERS = frozenset({LOCAL_CWD_SCHEDULER, "slurm"})
 """Schedulers that run this machine's environment (this interpreter, on shared storage for
 slurm); the others run ``python`` in ``scheduler_args.image`` (a container image; for
 ``ray`` its working directory)."""
@@ -50,7 +51,7 @@ def rendezvous_endpoint(launch: Any) -> str:
         return launch.rdzv_endpoint
     if launch.nnodes == 1:
         return "localhost:0"
-    if launch.scheduler == "local_cwd":
+    if launch.scheduler == LOCAL_CWD_SCHEDULER:
         return f"localhost:{free_port()}"
     # The scheduler fills in the rank-0 host (dist.ddp's ``$${rank0_env}`` macro).
     return _NoQuote(f"$${{{macros.rank0_env}:=localhost}}:{RDZV_PORT}")

@@ -14,9 +14,8 @@ from torchx.runner import get_runner
 from torchx.specs import AppDef
 
 from titan_kedro.config.schema import LOCAL_SCHEDULER
-from titan_kedro.launch.preflight import check_remote_launch, redact_uri
+from titan_kedro.launch.preflight import check_remote_launch, redact_tracking_uri
 from titan_kedro.launch.scheduler import dryrun_info, render_request, signals_restored
-from titan_kedro.tracking.mlflow_logger import TRACKING_URI_ENV
 from titan_kedro.train.launch import torchrun_command
 
 
@@ -27,8 +26,7 @@ def appdef_json(app: AppDef, env: Mapping[str, str]) -> str:
         return value.name if isinstance(value, enum.Enum) else str(value)
 
     text = json.dumps(dataclasses.asdict(app), indent=2, default=_plain)
-    uri = env.get(TRACKING_URI_ENV)
-    return text.replace(uri, redact_uri(uri)) if uri else text
+    return redact_tracking_uri(text, env)
 
 
 def write_dryrun(

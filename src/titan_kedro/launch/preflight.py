@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from titan_kedro.config.schema import LOCAL_CWD_SCHEDULER, LOCAL_SCHEDULER
 from titan_kedro.launch.appdef import HOST_SCHEDULERS
 from titan_kedro.tracking.mlflow_logger import TRACKING_URI_ENV
 
 logger = logging.getLogger(__name__)
 
-THIS_MACHINE = frozenset({"local", "local_cwd"})
+THIS_MACHINE = frozenset({LOCAL_SCHEDULER, LOCAL_CWD_SCHEDULER})
 """Schedulers whose workers run on this machine (they see its files and its MLflow)."""
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0"})
 
@@ -69,6 +70,12 @@ def redact_uri(uri: str) -> str:
         return uri
     netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
     return parts._replace(netloc=netloc).geturl()
+
+
+def redact_tracking_uri(text: str, env: Mapping[str, str]) -> str:
+    """``text`` with the MLflow tracking URI of ``env`` shown without its password."""
+    uri = env.get(TRACKING_URI_ENV)
+    return text.replace(uri, redact_uri(uri)) if uri else text
 
 
 def _under(path: str, folder: str) -> bool:

@@ -24,9 +24,9 @@ from typing import IO, Any
 from torchx.runner import Runner, get_runner
 from torchx.specs import AppDef, AppDryRunInfo, AppState, AppStatus
 
+from titan_kedro.config.schema import LOCAL_CWD_SCHEDULER
 from titan_kedro.launch.appdef import ROLE, ROLE_ARGS
-from titan_kedro.launch.preflight import redact_uri
-from titan_kedro.tracking.mlflow_logger import TRACKING_URI_ENV
+from titan_kedro.launch.preflight import redact_tracking_uri
 from titan_kedro.train.launch import TrainingFailedError, new_failing_rank_log, run_dirs
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def run_options(launch: Any) -> dict[str, Any]:
     (TorchX follows logs only from files there).
     """
     opts = {k: v for k, v in launch.scheduler_args.items() if k not in ROLE_ARGS}
-    if launch.scheduler == "local_cwd":
+    if launch.scheduler == LOCAL_CWD_SCHEDULER:
         opts.setdefault("log_dir", str(Path(launch.log_dir).resolve() / "torchx"))
     return opts
 
@@ -95,8 +95,7 @@ def dryrun_info(runner: Runner, app: AppDef, launch: Any) -> AppDryRunInfo:
 def render_request(info: AppDryRunInfo, env: Mapping[str, str]) -> str:
     """TorchX's rendering of the request, with the MLflow URI's password masked."""
     text = str(info)
-    uri = env.get(TRACKING_URI_ENV)
-    return text.replace(uri, redact_uri(uri)) if uri else text
+    return redact_tracking_uri(text, env)
 
 
 class _Follower:
@@ -185,7 +184,7 @@ def run_job(
     """
     launch = cfg.launch
     console = console or sys.stdout
-    poll_s = poll_s or (0.5 if launch.scheduler == "local_cwd" else 5.0)
+    poll_s = poll_s or (0.5 if launch.scheduler == LOCAL_CWD_SCHEDULER else 5.0)
     log_dir = Path(launch.log_dir)
     before = run_dirs(log_dir)
     with signals_restored(), get_runner() as runner:

@@ -23,10 +23,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from titan_kedro.models.hf_export import SAFETENSORS_FILE, SAFETENSORS_INDEX
+
 log = logging.getLogger(__name__)
 
-SAFETENSORS_FILE = "model.safetensors"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Args that do not change the weights: the rotary table length, the init scale and the
 # auxiliary-loss settings may differ from the folder's.
 _IGNORED_ARGS = frozenset({"max_seq_len", "initializer_range", "aux_loss_alpha", "seq_aux"})
@@ -104,7 +104,7 @@ def _read(value: Any, index: Index) -> torch.Tensor:
     return value[index]
 
 
-def _open_folder(folder: Path, stack: list[Any]) -> dict[str, _Source]:
+def _open_folder(folder: Path) -> dict[str, _Source]:
     from safetensors import safe_open
 
     index_file = folder / SAFETENSORS_INDEX
@@ -120,8 +120,7 @@ def _open_folder(folder: Path, stack: list[Any]) -> dict[str, _Source]:
         )
     sources: dict[str, _Source] = {}
     for name in files:
-        handle = safe_open(str(folder / name), framework="pt", device="cpu")
-        stack.append(handle)
+        handle = safe_open(str(folder / name), framework="pt", device="cpu")  # kept by _Source
         for key in handle.keys():
             sources[key] = _Source(handle, key)
     return sources
@@ -227,8 +226,7 @@ def load_hf_weights(
     """
     folder = Path(folder)
     check_hf_config(spec, model_args, folder)
-    handles: list[Any] = []
-    ours = spec.state_dict_adapter.from_hf(_open_folder(folder, handles))
+    ours = spec.state_dict_adapter.from_hf(_open_folder(folder))
     targets: dict[str, torch.Tensor] = {}
     for part in model_parts:
         targets.update(get_model_state_dict(part))
