@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -80,3 +82,14 @@ def small_c4_dir(tmp_path: Path) -> Path:
     raw = tmp_path / "c4_small"
     write_c4_shard(raw / "c4-train.00000-of-00002.json.gz", 200)
     return raw
+
+
+@pytest.fixture(autouse=True)
+def _forget_active_mlflow_experiment() -> Iterator[None]:
+    """``mlflow.set_experiment`` (tests, Kedro sessions) sets a process-wide experiment id
+    that another test's fresh tracking store does not have; forget it after every test."""
+    yield
+    from mlflow.tracking import fluent
+
+    fluent._active_experiment_id = None
+    os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
