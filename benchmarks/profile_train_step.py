@@ -22,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 from train_throughput import OursRunner, job, parse_training_override, write_tokens
 
-from titan_kedro.config import resolve_job_config
+from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.train import trainer as trainer_module
 from titan_kedro.train.device import keep_freed_memory_mapped
 

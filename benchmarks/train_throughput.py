@@ -54,8 +54,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from titan_kedro.config import resolve_job_config
 from titan_kedro.data.loader import TokenLoader
+from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.train.device import keep_freed_memory_mapped
 from titan_kedro.train.metrics import measure_matmul_tflops
 from titan_kedro.train.trainer import Trainer, build_model

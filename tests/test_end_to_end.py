@@ -231,8 +231,8 @@ def test_artifacts_hold_config_model_card_data_plots_and_generations(e2e: E2ERun
 
 @pytest.mark.slow
 def test_exported_model_loads_in_transformers_and_matches_our_logits(e2e: E2ERun) -> None:
-    from titan_kedro.config import resolve_job_config
     from titan_kedro.models.hf_export import compare_logits
+    from titan_kedro.models.resolve import resolve_job_config
     from titan_kedro.train.evaluate import load_checkpoint_model
 
     folder = e2e.project / "data/06_models/hf"
@@ -313,7 +313,7 @@ def test_system_metrics_dataset_inputs_and_registered_model(e2e: E2ERun) -> None
         loaded = mlflow.pyfunc.load_model(f"models:/{registered['name']}@candidate")
     finally:
         mlflow.set_tracking_uri(None)
-    from titan_kedro.config import resolve_job_config
+    from titan_kedro.models.resolve import resolve_job_config
     from titan_kedro.train.evaluate import load_checkpoint_model
 
     raw = yaml.safe_load((e2e.project / "data/07_model_output/job/job_config.yaml").read_text())

@@ -7,7 +7,7 @@ from typing import Any
 
 from kedro.framework.hooks import hook_impl
 
-from titan_kedro.config import resolve_job_config
+from titan_kedro.models.resolve import resolve_job_config
 
 logger = logging.getLogger(__name__)
 

@@ -34,9 +34,9 @@ from mlflow.entities import Param
 from mlflow.tracking import MlflowClient
 from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
 
-from titan_kedro.config import resolve_job_config
 from titan_kedro.config.load import flatten
 from titan_kedro.data.token_store import token_fingerprints
+from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.tracking.lineage import log_lineage
 
 logger = logging.getLogger(__name__)

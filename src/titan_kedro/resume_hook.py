@@ -25,8 +25,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
 
-from titan_kedro.config import resolve_job_config
 from titan_kedro.mlflow_hooks import loggable_params
+from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.train.checkpoint import find_checkpoint
 from titan_kedro.train.run_identity import (
     check_resume_compatible,

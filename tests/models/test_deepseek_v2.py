@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_kedro.config import ConfigError, resolve_job_config
+from titan_kedro.config import ConfigError
 from titan_kedro.models import get_train_spec
 from titan_kedro.models.counting import count_parameters
 from titan_kedro.models.deepseek_v2 import FLAVORS, DeepSeekV2ModelArgs, param_counts
@@ -20,6 +20,7 @@ from titan_kedro.models.deepseek_v2.moe import (
     _experts_padded_bmm,
     grouped_mm_applies,
 )
+from titan_kedro.models.resolve import resolve_job_config
 
 SPEC = get_train_spec("deepseek_v2")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from titan_kedro.config import ConfigError, resolve_job_config
+from titan_kedro.config import ConfigError
 from titan_kedro.models import (
     TrainSpec,
     get_train_spec,
@@ -21,6 +21,7 @@ from titan_kedro.models import (
 )
 from titan_kedro.models import registry as registry_module
 from titan_kedro.models.llama3 import LLAMA3_SPEC, Llama3Args, Llama3Model
+from titan_kedro.models.resolve import resolve_job_config
 
 REPO = Path(__file__).resolve().parents[2]
 USER_MODULE_PREFIX = "user_models_"

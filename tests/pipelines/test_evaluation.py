@@ -185,7 +185,7 @@ def test_evaluation_refuses_tokens_made_by_another_tokenizer(tmp_path: Path) -> 
         "model": {"name": "llama3", "flavor": "debugmodel", "overrides": TINY_LLAMA},
         "training": {"seq_len": 32},
     }
-    from titan_kedro.config import resolve_job_config
+    from titan_kedro.models.resolve import resolve_job_config
     from titan_kedro.pipelines.evaluation.nodes import generate_samples
 
     loaded = evaluate.LoadedCheckpoint(model, resolve_job_config(resolved_params), tmp_path, 1)

@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from titan_kedro.config import resolve_job_config
 from titan_kedro.data.tokenizer import build_tokenizer
 from titan_kedro.models import get_train_spec
 from titan_kedro.models.hf_export import compare_logits, export_hf_folder
+from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.pipelines.export_hf.nodes import export_final_model
 from titan_kedro.train.evaluate import LoadedCheckpoint
 from titan_kedro.train.trainer import build_model

@@ -16,9 +16,10 @@ from conftest import project_parameters
 from kedro.io import DataCatalog, MemoryDataset
 from kedro.runner import SequentialRunner
 
-from titan_kedro.config import ConfigError, JobConfig, resolve_job_config
+from titan_kedro.config import ConfigError, JobConfig
 from titan_kedro.models import get_train_spec, list_train_specs
 from titan_kedro.models import registry as registry_module
+from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.pipelines.job_params import JOB_PARAMS
 from titan_kedro.pipelines.model_spec import create_pipeline
 from titan_kedro.pipelines.model_spec.nodes import build_model_spec

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from titan_kedro.config import resolve_job_config
+from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.plan import PlanDoesNotFitError, build_plan, check_plan_fits, format_plan
 from titan_kedro.train.fused_loss import default_chunk_size
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from titan_kedro.config import resolve_job_config
+from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.train.trainer import Trainer
 from train.helpers import tiny_job, write_token_dir
 

@@ -9,9 +9,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from titan_kedro.config import resolve_job_config
 from titan_kedro.data.loader import TokenLoader
 from titan_kedro.data.token_store import open_split
+from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.train.documents import document_inputs
 from titan_kedro.train.trainer import Trainer, build_model
 from train.helpers import tiny_job

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from titan_kedro.config import resolve_job_config
+from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.train.evaluate import load_checkpoint_model
 from titan_kedro.train.validation import mean_loss
 from train.conftest import make_config

@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from titan_kedro.components.loss import IGNORE_INDEX
 from titan_kedro.train.fused_loss import (
     FusedOutputLoss,
     defer_output_projection,
     linear_cross_entropy,
 )
-from titan_kedro.train.loss import IGNORE_INDEX
 
 
 def _reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

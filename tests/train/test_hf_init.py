@@ -17,10 +17,10 @@ from tests.train.helpers import (
     validation_loader,
     write_token_dir,
 )
-from titan_kedro.config import resolve_job_config
 from titan_kedro.data.loader import TokenLoader
 from titan_kedro.data.token_store import open_split
 from titan_kedro.models.hf_export import export_hf_folder
+from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.train.hf_init import HFInitError, check_hf_config, load_hf_weights
 from titan_kedro.train.trainer import build_model
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from titan_kedro.config import resolve_job_config
+from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.train.checkpoint import latest_checkpoint, list_checkpoints, load_model_weights
 from titan_kedro.train.trainer import NonFiniteLossError, Trainer
 from titan_kedro.train.validation import mean_loss

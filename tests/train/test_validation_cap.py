@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_kedro.config import resolve_job_config
+from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.train.trainer import Trainer
 from titan_kedro.train.validation import capped_batches
 from train.helpers import tiny_job, write_token_dir

@@ -1,4 +1,8 @@
-"""Typed job config: pydantic sections, train-spec extensions, file + CLI + Kedro loading."""
+"""Typed job config: pydantic sections, train-spec extensions, file + CLI + Kedro loading.
+
+Nothing here imports ``models/``: validating against a train spec (its extensions and
+cross-field checks) is ``titan_kedro.models.resolve.resolve_job_config``.
+"""
 
 from titan_kedro.config.extensions import merge_extensions
 from titan_kedro.config.load import (
@@ -11,13 +15,11 @@ from titan_kedro.config.load import (
     parse_cli_overrides,
     read_config_file,
 )
-from titan_kedro.config.resolve import ResolvedJob, resolve_job_config
 from titan_kedro.config.schema import JobConfig
 
 __all__ = [
     "ConfigError",
     "JobConfig",
-    "ResolvedJob",
     "build_job_config",
     "deep_merge",
     "dump_job_config",
@@ -26,5 +28,4 @@ __all__ = [
     "merge_extensions",
     "parse_cli_overrides",
     "read_config_file",
-    "resolve_job_config",
 ]

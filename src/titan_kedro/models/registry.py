@@ -26,6 +26,11 @@ from typing import Any, Protocol
 from pydantic import BaseModel
 from torch import nn
 
+from titan_kedro.components.loss import build_cross_entropy_loss
+from titan_kedro.components.lr_schedulers import build_lr_schedulers
+from titan_kedro.components.optimizers import build_optimizers
+from titan_kedro.models.parallel import parallelize_dense
+
 
 class StateDictAdapter(Protocol):
     """Maps weights and configs between Hugging Face transformers and our model."""
@@ -39,34 +44,6 @@ class StateDictAdapter(Protocol):
     def to_hf(self, state_dict: Mapping[str, Any]) -> dict[str, Any]: ...
 
 
-def default_parallelize(model: nn.Module, parallel_dims: Any, job_config: Any) -> nn.Module:
-    """Activation checkpointing, compile and FSDP2 for a dense model (no expert parallelism)."""
-    from titan_kedro.models.parallel import parallelize_dense
-
-    return parallelize_dense(model, parallel_dims, job_config)
-
-
-def default_build_optimizers(model_parts: list[nn.Module], job_config: Any) -> Any:
-    """AdamW per model part, in one OptimizersContainer."""
-    from titan_kedro.train.optimizers import build_optimizers
-
-    return build_optimizers(model_parts, job_config)
-
-
-def default_build_lr_schedulers(optimizers: Any, job_config: Any) -> Any:
-    """Warmup, stable, decay schedule for every optimizer of the container."""
-    from titan_kedro.train.lr_schedulers import build_lr_schedulers
-
-    return build_lr_schedulers(optimizers, job_config)
-
-
-def default_build_loss(job_config: Any) -> Callable[..., Any]:
-    """Token-level cross-entropy."""
-    from titan_kedro.train.loss import build_cross_entropy_loss
-
-    return build_cross_entropy_loss(job_config)
-
-
 @dataclass(frozen=True)
 class TrainSpec:
     """Everything the trainer needs to train one model family."""
@@ -77,14 +54,17 @@ class TrainSpec:
     """Model class; ``model_cls(args)`` builds it and ``model(tokens)`` returns logits."""
     flavors: Mapping[str, Any]
     """Flavor name → model-args dataclass instance."""
-    parallelize_fn: Callable[..., nn.Module] = default_parallelize
-    """``parallelize_fn(model, parallel_dims, job_config)`` applies AC, compile, EP, FSDP2."""
-    build_optimizers_fn: Callable[..., Any] = default_build_optimizers
-    """``build_optimizers_fn(model_parts, job_config)`` → OptimizersContainer."""
-    build_lr_schedulers_fn: Callable[..., Any] = default_build_lr_schedulers
+    parallelize_fn: Callable[..., nn.Module] = parallelize_dense
+    """``parallelize_fn(model, parallel_dims, job_config)`` applies AC, compile, EP, FSDP2.
+
+    The default suits a dense model (no expert parallelism)."""
+    build_optimizers_fn: Callable[..., Any] = build_optimizers
+    """``build_optimizers_fn(model_parts, job_config)`` → OptimizersContainer (AdamW per part)."""
+    build_lr_schedulers_fn: Callable[..., Any] = build_lr_schedulers
     """``build_lr_schedulers_fn(optimizers, job_config)`` → LRSchedulersContainer."""
-    build_loss_fn: Callable[..., Callable[..., Any]] = default_build_loss
-    """``build_loss_fn(job_config)`` → ``loss(logits, labels)``."""
+    build_loss_fn: Callable[..., Callable[..., Any]] = build_cross_entropy_loss
+    """``build_loss_fn(job_config)`` → ``loss(logits, labels)``; the default is token-level
+    cross-entropy, which the trainer replaces with its fused output-projection loss."""
     state_dict_adapter: StateDictAdapter | None = None
     """Hugging Face ↔ ours; None if the family has no HF counterpart."""
     flops_per_token: Callable[[Any, int], float] | None = None

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from titan_kedro.config import ResolvedJob
+from titan_kedro.components.loss import build_cross_entropy_loss
 from titan_kedro.models.counting import count_parameters
 from titan_kedro.models.parallel import training_dtypes
-from titan_kedro.models.registry import default_build_loss
+from titan_kedro.models.resolve import ResolvedJob
 from titan_kedro.plan.devices import planned_device, planned_kind
 from titan_kedro.plan.fake_world import fake_process_group
 from titan_kedro.plan.memory import activation_bytes, measure_sharded
@@ -68,7 +68,7 @@ def build_plan(resolved: ResolvedJob) -> dict[str, Any]:
         counts = count_parameters(model)
         fused = (
             cfg.training.fused_loss
-            and spec.build_loss_fn is default_build_loss
+            and spec.build_loss_fn is build_cross_entropy_loss
             and can_defer_output_projection(model)
         )
         transient = activation_bytes(

@@ -36,7 +36,8 @@ from collections.abc import Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from titan_kedro.config import load_raw_config, resolve_job_config
+from titan_kedro.config import load_raw_config
+from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.train.device import env_int
 
 

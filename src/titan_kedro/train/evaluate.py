@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from titan_kedro.config import ResolvedJob
 from titan_kedro.models.generate import generate
+from titan_kedro.models.resolve import ResolvedJob
 from titan_kedro.train.checkpoint import (
     find_checkpoint,
     latest_checkpoint,

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_kedro.train.loss import IGNORE_INDEX
+from titan_kedro.components.loss import IGNORE_INDEX
 
 _BUFFERS: dict[tuple[Any, ...], torch.Tensor] = {}
 

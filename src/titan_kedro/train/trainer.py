@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titan_kedro.config import ResolvedJob
+from titan_kedro.components.loss import build_cross_entropy_loss
 from titan_kedro.data.token_store import read_metadata
 from titan_kedro.models.parallel import training_dtypes
-from titan_kedro.models.registry import default_build_loss
+from titan_kedro.models.resolve import ResolvedJob
 from titan_kedro.tracking.mlflow_logger import MlflowMetricsSink
 from titan_kedro.train.checkpoint import CheckpointManager, ModelState, rng_state, set_rng_state
 from titan_kedro.train.device import env_int, init_process_group, resolve_device, set_cpu_threads
@@ -124,7 +124,7 @@ class Trainer:
         self.loss_fn = self.spec.build_loss_fn(cfg)
         self.fused_loss = (
             cfg.training.fused_loss
-            and self.spec.build_loss_fn is default_build_loss
+            and self.spec.build_loss_fn is build_cross_entropy_loss
             and can_defer_output_projection(model)
         )
         try:

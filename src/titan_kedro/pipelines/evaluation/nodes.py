@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from titan_kedro.config import resolve_job_config
 from titan_kedro.data.loader import TokenLoader
 from titan_kedro.data.tokenizer import build_tokenizer
+from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.train import evaluate, validation
 from titan_kedro.train.documents import masking_bos_id
 

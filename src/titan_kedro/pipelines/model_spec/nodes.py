@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from titan_kedro.config import resolve_job_config
 from titan_kedro.data.vocab import check_vocab_fits
 from titan_kedro.models.counting import model_card
+from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.plan import build_plan, format_plan
 
 logger = logging.getLogger(__name__)

@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
-
-from titan_kedro.train.loss import IGNORE_INDEX, build_cross_entropy_loss
 from train.conftest import make_config
+
+from titan_kedro.components.loss import IGNORE_INDEX, build_cross_entropy_loss
 
 
 def test_matches_manual_log_softmax() -> None:

@@ -22,7 +22,7 @@ from typing import Any
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim.lr_scheduler import LambdaLR
 
-from titan_kedro.train.optimizers import OptimizersContainer
+from titan_kedro.components.optimizers import OptimizersContainer
 
 
 def schedule_phases(

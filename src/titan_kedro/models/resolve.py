@@ -10,6 +10,12 @@ from pydantic import ValidationError
 
 from titan_kedro.config.load import ConfigError, build_job_config, format_validation_error
 from titan_kedro.config.schema import JobConfig, ModelSection
+from titan_kedro.models.registry import (
+    TrainSpec,
+    get_train_spec,
+    import_custom_model,
+    list_train_specs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -17,20 +23,18 @@ logger = logging.getLogger(__name__)
 class ResolvedJob(NamedTuple):
     config: JobConfig
     """The validated config, with the spec's extensions merged in."""
-    spec: Any
+    spec: TrainSpec
     """The ``TrainSpec`` named by ``model.name``."""
     model_args: Any
     """The flavor's args with ``model.overrides`` applied."""
 
 
-def _drop_other_specs_extensions(raw: Mapping[str, Any], spec: Any) -> dict[str, Any]:
+def _drop_other_specs_extensions(raw: Mapping[str, Any], spec: TrainSpec) -> dict[str, Any]:
     """Drop keys that only another registered spec's extension declares, with a warning.
 
     An environment written for DeepSeek (``parallelism.expert_parallel_degree``) stays
     usable with ``--params model.name=llama3``; keys no spec knows are still rejected.
     """
-    from titan_kedro.models.registry import get_train_spec, list_train_specs
-
     own = {(sec, name) for sec, ext in spec.extensions.items() for name in ext.model_fields}
     others = {
         (sec, name): other
@@ -65,8 +69,6 @@ def resolve_job_config(raw: Mapping[str, Any], *, source: str = "parameters") ->
     Raises:
         ConfigError: With the key path, the value and how to fix it.
     """
-    from titan_kedro.models.registry import get_train_spec, import_custom_model
-
     try:
         model_section = ModelSection.model_validate(dict(raw).get("model") or {})
     except ValidationError as err:

@@ -6,7 +6,8 @@ import logging
 
 import pytest
 
-from titan_kedro.config import ConfigError, resolve_job_config
+from titan_kedro.config import ConfigError
+from titan_kedro.models.resolve import resolve_job_config
 
 
 def test_deepseek_spec_extends_parallelism_with_its_default() -> None:

@@ -6,9 +6,9 @@ import copy
 
 import torch
 from torch import nn
-
-from titan_kedro.train.optimizers import OptimizersContainer, build_optimizers
 from train.conftest import make_config
+
+from titan_kedro.components.optimizers import OptimizersContainer, build_optimizers
 
 
 class Small(nn.Module):

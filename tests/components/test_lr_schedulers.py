@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 from torch import nn
-
-from titan_kedro.train.lr_schedulers import build_lr_schedulers, schedule_phases
-from titan_kedro.train.optimizers import build_optimizers
 from train.conftest import make_config
+
+from titan_kedro.components.lr_schedulers import build_lr_schedulers, schedule_phases
+from titan_kedro.components.optimizers import build_optimizers
 
 PEAK, MIN = 1.0e-3, 1.0e-4
 
