@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from titan_kedro.components.loss import IGNORE_INDEX
+from titan_kedro.models.registry import get_train_spec
 from titan_kedro.train.fused_loss import (
     FusedOutputLoss,
     defer_output_projection,
     linear_cross_entropy,
+    uses_fused_loss,
 )
+from train.conftest import make_config
 
 
 def _reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -98,3 +103,17 @@ def test_deferred_model_output_gives_the_same_loss_and_names() -> None:
     assert model.state_dict().keys() == keys
     with pytest.raises(ValueError, match="disagree"):
         loss_fn(deferred, labels[:, :3])
+
+
+def test_only_the_default_loss_on_a_bias_free_projection_is_fused() -> None:
+    spec = get_train_spec("llama3")
+    own_loss = dataclasses.replace(spec, build_loss_fn=lambda cfg: F.cross_entropy)
+    model = torch.nn.Module()
+    model.output = torch.nn.Linear(8, 32, bias=False)
+    with_bias = torch.nn.Module()
+    with_bias.output = torch.nn.Linear(8, 32, bias=True)
+    on, off = make_config(), make_config(training={"fused_loss": False})
+    assert uses_fused_loss(on, spec, model)
+    assert not uses_fused_loss(off, spec, model)
+    assert not uses_fused_loss(on, own_loss, model)  # a spec's own loss sees real logits
+    assert not uses_fused_loss(on, spec, with_bias)

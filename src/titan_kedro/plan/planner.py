@@ -8,14 +8,13 @@ from typing import Any
 
 import torch
 
-from titan_kedro.components.loss import build_cross_entropy_loss
 from titan_kedro.models.counting import count_parameters
 from titan_kedro.models.parallel import training_dtypes
 from titan_kedro.models.resolve import ResolvedJob
 from titan_kedro.plan.devices import planned_device, planned_kind
 from titan_kedro.plan.fake_world import fake_process_group
 from titan_kedro.plan.memory import activation_bytes, measure_sharded
-from titan_kedro.train.fused_loss import can_defer_output_projection
+from titan_kedro.train.fused_loss import uses_fused_loss
 from titan_kedro.train.parallel_dims import ParallelDims
 
 GIB = 1024**3
@@ -66,11 +65,7 @@ def build_plan(resolved: ResolvedJob) -> dict[str, Any]:
         with torch.device("meta"):
             model = spec.build_model(args)
         counts = count_parameters(model)
-        fused = (
-            cfg.training.fused_loss
-            and spec.build_loss_fn is build_cross_entropy_loss
-            and can_defer_output_projection(model)
-        )
+        fused = uses_fused_loss(cfg, spec, model)
         transient = activation_bytes(
             model,
             args,

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_kedro.components.loss import IGNORE_INDEX
+from titan_kedro.components.loss import IGNORE_INDEX, build_cross_entropy_loss
 
 _BUFFERS: dict[tuple[Any, ...], torch.Tensor] = {}
 
@@ -237,6 +237,19 @@ def can_defer_output_projection(model: nn.Module) -> bool:
     """True when ``model.output`` is a bias-free ``nn.Linear`` (the projection we can fuse)."""
     output = getattr(model, "output", None)
     return isinstance(output, nn.Linear) and output.bias is None
+
+
+def uses_fused_loss(cfg: Any, spec: Any, model: nn.Module) -> bool:
+    """Whether training fuses the output projection into the loss (trainer and planner alike).
+
+    Only for the default token cross-entropy (a spec's own loss sees real logits), when
+    ``training.fused_loss`` is on and the model's projection can be deferred.
+    """
+    return (
+        cfg.training.fused_loss
+        and spec.build_loss_fn is build_cross_entropy_loss
+        and can_defer_output_projection(model)
+    )
 
 
 def defer_output_projection(model: nn.Module) -> nn.Linear:

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titan_kedro.components.loss import build_cross_entropy_loss
 from titan_kedro.data.token_store import read_metadata
 from titan_kedro.models.parallel import training_dtypes
 from titan_kedro.models.resolve import ResolvedJob
@@ -34,8 +33,8 @@ from titan_kedro.train.documents import document_inputs, masking_bos_id
 from titan_kedro.train.faults import maybe_crash
 from titan_kedro.train.fused_loss import (
     FusedOutputLoss,
-    can_defer_output_projection,
     defer_output_projection,
+    uses_fused_loss,
 )
 from titan_kedro.train.grad_clip import clip_grad_norm_
 from titan_kedro.train.hf_init import load_hf_weights
@@ -122,11 +121,7 @@ class Trainer:
         model = build_model(self.spec, self.model_args, cfg.job.seed, self.device)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.loss_fn = self.spec.build_loss_fn(cfg)
-        self.fused_loss = (
-            cfg.training.fused_loss
-            and self.spec.build_loss_fn is build_cross_entropy_loss
-            and can_defer_output_projection(model)
-        )
+        self.fused_loss = uses_fused_loss(cfg, self.spec, model)
         try:
             tokens_meta = read_metadata(cfg.data.token_dir)
         except FileNotFoundError:  # token files written by hand: no fingerprints, no BOS
