@@ -13,7 +13,6 @@ Resolution order for ``name_or_path``:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -24,6 +23,7 @@ from importlib import resources
 from pathlib import Path
 
 from titan_kedro.data.hub import hub_offline, hub_reachable
+from titan_kedro.data.sources import file_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class TokenizerIntegrityError(RuntimeError):
 
 
 def _check_pinned(path: Path, origin: str) -> None:
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = file_sha256(path)
     if digest != OFFLINE_TOKENIZER_SHA256:
         raise TokenizerIntegrityError(
             f"the offline DeepSeek-V2 tokenizer.json from {origin} has sha256 {digest}, not the "
@@ -191,7 +191,7 @@ def _offline_deepseek_v2() -> Path:
         ) from err
     archive = Path(str(data / f"{TOKENIZER_FILE}.zip"))
     config = Path(str(data / CONFIG_FILE))
-    digest = hashlib.sha256(archive.read_bytes()).hexdigest()[:16]
+    digest = file_sha256(archive)[:16]
     target = cache_root() / "tokenizers" / f"{_OFFLINE_FOLDER}-{digest}"
     if (target / TOKENIZER_FILE).is_file():
         _check_pinned(target / TOKENIZER_FILE, f"the cache {target}")
