@@ -117,3 +117,22 @@ def test_only_the_default_loss_on_a_bias_free_projection_is_fused() -> None:
     assert not uses_fused_loss(off, spec, model)
     assert not uses_fused_loss(on, own_loss, model)  # a spec's own loss sees real logits
     assert not uses_fused_loss(on, spec, with_bias)
+
+
+def test_autocast_runs_the_matmuls_in_bfloat16_and_keeps_float32_gradients() -> None:
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 40, 32, requires_grad=True)
+    weight = torch.randn(300, 32).mul(0.2).requires_grad_()
+    labels = torch.randint(0, 300, (3, 40))
+    full = linear_cross_entropy(hidden, weight, labels, chunk_size=16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear_cross_entropy(hidden, weight, labels, chunk_size=16)
+    ref = _reference(hidden.bfloat16(), weight.bfloat16(), labels)  # what F.linear would do
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert out != full  # the matmuls really ran in bfloat16
+    gh, gw = torch.autograd.grad(out, (hidden, weight))
+    rh, rw = torch.autograd.grad(full, (hidden, weight))
+    assert gh.dtype == torch.float32 and gw.dtype == torch.float32
+    torch.testing.assert_close(gh, rh, rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(gw, rw, rtol=2e-2, atol=1e-3)

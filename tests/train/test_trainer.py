@@ -72,7 +72,7 @@ def test_nan_stops_with_last_good_checkpoint_kept(tmp_path: Path, token_dir: Pat
         trainer.train(stop_at=2)
         assert not stale.exists()  # removed by the next save
         with torch.no_grad():
-            next(trainer.model.parameters()).to_local().fill_(float("nan"))
+            next(trainer.model.parameters()).fill_(float("nan"))  # one rank: plain tensors
         with pytest.raises(NonFiniteLossError, match=r"step 3 .*step-2"):
             trainer.train()
     finally:
@@ -157,3 +157,37 @@ def test_metrics_validation_moe_hooks_and_weights(tmp_path: Path, token_dir: Pat
     )
     assert tokens == 2 * 2 * 32
     assert rows[-1]["val_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_one_rank_trains_unwrapped_like_fsdp(
+    tmp_path: Path, token_dir: Path, bf16: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    from titan_kedro.train.parallel_dims import ParallelDims
+
+    def losses(name: str) -> tuple[list[float], Trainer]:
+        raw = tiny_job(
+            tmp_path / name,
+            token_dir,
+            training={"mixed_precision_cpu": bf16},
+            checkpoint={"enable": False},
+        )
+        trainer = _trainer(raw)
+        try:
+            return [trainer.train_step()["loss"] for _ in range(3)], trainer
+        finally:
+            trainer.close()
+
+    plain, trainer = losses("plain")
+    assert not any(isinstance(m, FSDPModule) for m in trainer.model.modules())
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert trainer.autocast_dtype == (torch.bfloat16 if bf16 else None)
+    monkeypatch.setattr(ParallelDims, "fsdp_enabled", property(lambda self: True))
+    sharded, trainer = losses("fsdp")  # what one rank ran before: FSDP2 over a 1-rank mesh
+    assert isinstance(trainer.model, FSDPModule) and trainer.autocast_dtype is None
+    assert abs(plain[-1] - plain[0]) > 1e-3  # the updates change the loss
+    tolerance = 1e-2 if bf16 else 1e-6  # FSDP computes in bf16 too, with bf16 activations
+    for a, b in zip(plain, sharded):
+        assert a == pytest.approx(b, rel=tolerance), (plain, sharded)

@@ -106,9 +106,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         labels: torch.Tensor,
         chunk_size: int,
         compile: bool = False,
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        dtype = weight.dtype
+        ctx.hidden_dtype = hidden.dtype
+        ctx.weight_dtype = weight.dtype
+        dtype = dtype or weight.dtype
         h = hidden.to(dtype)
+        weight = weight.to(dtype)  # under autocast one cast per step, as autocast's own
         n_tokens = h.shape[0]
         vocab = weight.shape[0]
         valid_all = labels != IGNORE_INDEX
@@ -165,8 +169,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h if grad_h is not None else torch.empty(0),
             grad_w if grad_w is not None else torch.empty(0),
         )
-        ctx.hidden_dtype = hidden.dtype
-        ctx.weight_dtype = weight.dtype
         return total / n_valid
 
     @staticmethod
@@ -179,7 +181,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             else None
         )
         gw = grad_w.mul_(grad_out).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None
+        return gh, gw, None, None, None, None
 
 
 def default_chunk_size(vocab_size: int) -> int:
@@ -201,9 +203,11 @@ def linear_cross_entropy(
     """Mean cross-entropy of ``hidden @ weight.T`` against ``labels``, chunked over tokens.
 
     Args:
-        hidden: ``[..., dim]`` hidden states (cast to ``weight``'s dtype for the matmuls).
+        hidden: ``[..., dim]`` hidden states (cast to the compute dtype for the matmuls).
         weight: ``[vocab, dim]`` output projection (a plain tensor, e.g. FSDP's unsharded
-            parameter during forward/backward).
+            parameter during forward/backward). The matmuls run in its dtype, or in the
+            autocast dtype when autocast is on (as ``F.linear`` would); its gradient is
+            accumulated in float32 and returned in its own dtype.
         labels: ``[...]`` token ids; ``IGNORE_INDEX`` positions are skipped.
         chunk_size: Tokens per chunk (default: ``default_chunk_size(vocab)``); the tokens
             are split into equal chunks of at most this many.
@@ -224,9 +228,14 @@ def linear_cross_entropy(
             "hidden [batch, seq, dim] and labels [batch, seq]"
         )
     chunk = chunk_size or default_chunk_size(weight.shape[0])
-    return _LinearCrossEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk, compile
+    device_type = weight.device.type
+    dtype = (
+        torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
     )
+    with torch.autocast(device_type, enabled=False):
+        return _LinearCrossEntropy.apply(
+            hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk, compile, dtype
+        )
 
 
 def _pass_through(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:

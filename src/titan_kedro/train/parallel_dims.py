@@ -89,6 +89,15 @@ class ParallelDims:
         return self.ep > 1
 
     @property
+    def fsdp_enabled(self) -> bool:
+        """Whether there is anything to shard or replicate (more than one data-parallel rank).
+
+        On one rank the model stays unwrapped: FSDP would only copy every parameter and
+        gradient through its buffers each step, and mixed precision comes from autocast.
+        """
+        return self.dp_degree > 1
+
+    @property
     def dp_shard_mod_ep(self) -> int:
         """FSDP degree of expert parameters (the shard ranks left over by EP)."""
         return self.dp_shard // self.ep

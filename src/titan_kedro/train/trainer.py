@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_kedro.data.token_store import read_metadata
-from titan_kedro.models.parallel import training_dtypes
+from titan_kedro.models.parallel import autocast_dtype, training_dtypes
 from titan_kedro.models.resolve import ResolvedJob
 from titan_kedro.tracking.mlflow_logger import MlflowMetricsSink
 from titan_kedro.train.checkpoint import CheckpointManager, ModelState, rng_state, set_rng_state
@@ -135,6 +135,8 @@ class Trainer:
             )
         self.model = self.spec.parallelize_fn(model, self.parallel_dims, cfg)
         self.model.train()
+        # Mixed precision once: by FSDP's policy when sharded, else by autocast (one rank).
+        self.autocast_dtype = autocast_dtype(self.model, cfg, self.device)
         self.model_parts = [self.model]
         self.optimizers = self.spec.build_optimizers_fn(self.model_parts, cfg)
         self.lr_schedulers = self.spec.build_lr_schedulers_fn(self.optimizers, cfg)
@@ -228,6 +230,11 @@ class Trainer:
         inputs, labels = next(self._train_iter)
         return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
 
+    def mixed_precision(self) -> torch.autocast:
+        """Autocast to ``autocast_dtype`` for forward passes (disabled when None)."""
+        dtype = self.autocast_dtype
+        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
+
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         value = value.detach().clone().float()
         dist.all_reduce(value, group=self.dp_group)
@@ -248,7 +255,9 @@ class Trainer:
             start = time.perf_counter()
             inputs, labels = self._next_batch()
             data_time += time.perf_counter() - start
-            ce = self.loss_fn(model(inputs, **document_inputs(inputs, self.document_bos)), labels)
+            with self.mixed_precision():
+                output = model(inputs, **document_inputs(inputs, self.document_bos))
+                ce = self.loss_fn(output, labels)
             loss = ce
             if hasattr(model, "moe_aux_loss"):
                 aux = model.moe_aux_loss()
@@ -302,15 +311,16 @@ class Trainer:
 
         Every rank scores its share of the batches; the mean is over all of them.
         """
-        val_loss, _ = mean_loss(
-            self.model,
-            self._validation_loader(),
-            self.loss_fn,  # takes the model's hidden states under the fused loss
-            n_batches=self.val_batches,
-            device=self.device,
-            group=self.dp_group,
-            bos_id=self.document_bos,
-        )
+        with self.mixed_precision():
+            val_loss, _ = mean_loss(
+                self.model,
+                self._validation_loader(),
+                self.loss_fn,  # takes the model's hidden states under the fused loss
+                n_batches=self.val_batches,
+                device=self.device,
+                group=self.dp_group,
+                bos_id=self.document_bos,
+            )
         return {"val_loss": val_loss, "val_perplexity": perplexity(val_loss)}
 
     def train(self, stop_at: int | None = None) -> dict[str, Any]:

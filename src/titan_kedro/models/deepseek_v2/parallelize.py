@@ -87,7 +87,8 @@ def parallelize_deepseek_v2(model: nn.Module, parallel_dims: Any, job_config: An
             ``expert_parallel_degree``).
 
     Returns:
-        The parallelized model (parameter names unchanged).
+        The parallelized model (parameter names unchanged; unwrapped on one rank, see
+        ``titan_kedro.models.parallel``).
     """
     before_block = None
     if parallel_dims.ep > 1:
@@ -100,6 +101,8 @@ def parallelize_deepseek_v2(model: nn.Module, parallel_dims: Any, job_config: An
     apply_ac(model, job_config.training.activation_checkpoint)
     if job_config.training.compile:
         apply_compile(model)
+    if not parallel_dims.fsdp_enabled:  # one rank: mixed precision comes from autocast
+        return model
     param_dtype, reduce_dtype = training_dtypes(job_config, parallel_dims.device)
     return apply_fsdp(
         model,
