@@ -136,9 +136,7 @@ def training_dtypes(job_config: Any, device: torch.device) -> tuple[torch.dtype,
     )
 
 
-def autocast_dtype(
-    model: nn.Module, job_config: Any, device: torch.device
-) -> torch.dtype | None:
+def autocast_dtype(model: nn.Module, job_config: Any, device: torch.device) -> torch.dtype | None:
     """The dtype to run forward passes in under ``torch.autocast``, or None for no autocast.
 
     Mixed precision is applied once: by FSDP's policy when ``parallelize_fn`` sharded the
