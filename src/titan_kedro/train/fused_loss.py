@@ -32,19 +32,17 @@ from titan_kedro.components.loss import IGNORE_INDEX, build_cross_entropy_loss
 _BUFFERS: dict[tuple[Any, ...], torch.Tensor] = {}
 
 
-def _chunk_loss_and_grad(
+def _chunk_exp(
     low: torch.Tensor, target: torch.Tensor, scale: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row ``lse - target_logit`` and ``scale · (softmax − one-hot)`` in ``low``'s dtype."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row ``lse - target_logit``, ``E = exp(logits - row max)`` in ``low``'s dtype, and
+    ``coef = scale / Σ E`` (the logits' gradient is then ``coef · E - scale · one-hot``)."""
     logits = low.float()
     row_max = logits.amax(1, keepdim=True)
     exp = (logits - row_max).exp()
-    sum_exp = exp.sum(1, keepdim=True)
-    row_loss = (row_max + sum_exp.log()).squeeze(1) - logits.gather(1, target[:, None]).squeeze(1)
-    columns = torch.arange(logits.shape[1], device=low.device)
-    one_hot = columns[None, :] == target[:, None]
-    grad = exp * (scale[:, None] / sum_exp) - one_hot * scale[:, None]
-    return row_loss, grad.to(low.dtype)
+    sum_exp = exp.sum(1)
+    row_loss = row_max.squeeze(1) + sum_exp.log() - logits.gather(1, target[:, None]).squeeze(1)
+    return row_loss, exp.to(low.dtype), scale / sum_exp
 
 
 def _chunk_loss(low: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -53,13 +51,18 @@ def _chunk_loss(low: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, 1) - logits.gather(1, target[:, None]).squeeze(1)
 
 
+def _add_into(total: torch.Tensor, part: torch.Tensor) -> None:
+    """``total += part`` for a float32 ``total`` (compiled: one pass, no float32 copy of ``part``)."""
+    total.add_(part)
+
+
 _COMPILED: dict[str, Any] = {}
+_FUNCTIONS = {"grad": _chunk_exp, "loss": _chunk_loss, "add": _add_into}
 
 
 def _compiled(name: str) -> Any:
     if name not in _COMPILED:
-        fn = _chunk_loss_and_grad if name == "grad" else _chunk_loss
-        _COMPILED[name] = torch.compile(fn, dynamic=False)
+        _COMPILED[name] = torch.compile(_FUNCTIONS[name], dynamic=False)
     return _COMPILED[name]
 
 
@@ -78,23 +81,41 @@ def _buffer(
 
 
 def _accumulate_grads(  # noqa: PLR0917
-    grad: torch.Tensor,
+    exp: torch.Tensor,
+    coef: torch.Tensor,
+    scale: torch.Tensor,
+    target: torch.Tensor,
     hc: torch.Tensor,
     weight: torch.Tensor,
     grad_h: torch.Tensor | None,
     grad_w: torch.Tensor | None,
     start: int,
-    stop: int,
+    compile: bool,
 ) -> None:
-    """Write one chunk's hidden-state gradient and add its weight gradient (fp32)."""
+    """Write one chunk's hidden-state gradient and add its weight gradient (fp32).
+
+    The logits' gradient ``G = coef · E - scale · one-hot(target)`` is never formed (that
+    would be one more pass over ``chunk × vocab``): ``G @ W = coef · (E @ W) - scale ·
+    W[target]`` and ``Gᵀ @ h = Eᵀ @ (coef · h) - scatter(target, scale · h)``.
+    """
+    coef, scale = coef[:, None], scale[:, None]
     if grad_h is not None:
-        torch.mm(grad, weight, out=grad_h[start:stop])
+        product = torch.mm(exp, weight)
+        rows = product.shape[0]
+        grad_h[start : start + rows] = product.float() * coef - weight[target].float() * scale
     if grad_w is None:
         return
-    if hc.dtype == torch.float32:
-        grad_w.addmm_(grad.t(), hc)
+    scaled_h = (hc.float() * coef).to(hc.dtype)
+    if start == 0:  # the first chunk writes the buffer: no zero-filling pass
+        if exp.dtype == torch.float32:
+            torch.mm(exp.t(), scaled_h, out=grad_w)
+        else:
+            grad_w.copy_(exp.t() @ scaled_h)
+    elif exp.dtype == torch.float32:
+        grad_w.addmm_(exp.t(), scaled_h)
     else:  # bf16 product, accumulated in fp32
-        grad_w.add_(grad.t() @ hc)
+        (_compiled("add") if compile else _add_into)(grad_w, exp.t() @ scaled_h)
+    grad_w.index_add_(0, target, hc.float() * -scale)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -120,7 +141,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         need_w = ctx.needs_input_grad[1]
         grad_w = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+            torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         )
         need_grad = grad_h is not None or grad_w is not None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -132,39 +153,40 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hc, yc, valid = h[start:stop], labels[start:stop], valid_all[start:stop]
             low = _buffer("logits_low", (rows, vocab), dtype, h.device)
             torch.mm(hc, weight.t(), out=low)
+            target = yc.clamp_min(0)
             if compile:
-                target = yc.clamp_min(0)
                 if not need_grad:
                     total += (_compiled("loss")(low, target) * valid).sum()
                     continue
-                row_loss, grad = _compiled("grad")(low, target, valid.to(torch.float32) / n_valid)
+                scale = valid.to(torch.float32) / n_valid
+                row_loss, exp, coef = _compiled("grad")(low, target, scale)
                 total += (row_loss * valid).sum()
-                _accumulate_grads(grad, hc, weight, grad_h, grad_w, start, stop)
+                _accumulate_grads(
+                    exp, coef, scale, target, hc, weight, grad_h, grad_w, start, compile
+                )
                 continue
             if dtype == torch.float32:
                 logits = low
             else:
                 logits = _buffer("logits", (rows, vocab), torch.float32, h.device)
                 logits.copy_(low)
-            target = yc.clamp_min(0)
             target_logit = logits.gather(1, target[:, None]).squeeze(1)
             row_max = logits.amax(1)
             logits.sub_(row_max[:, None]).exp_()
             sum_exp = logits.sum(1)
-            lse = row_max + sum_exp.log()
-            total += ((lse - target_logit) * valid).sum()
+            total += ((row_max + sum_exp.log() - target_logit) * valid).sum()
             if not need_grad:
                 continue
-            # softmax − one-hot, scaled by 1 / (valid tokens), zero on ignored rows
+            # The gradient is scaled by 1 / (valid tokens) and zero on ignored rows.
             scale = valid.to(torch.float32) / n_valid
-            logits.mul_((scale / sum_exp)[:, None])
-            logits.view(-1)[torch.arange(rows, device=h.device) * vocab + target] -= scale
             if dtype == torch.float32:
-                grad = logits
+                exp = logits
             else:
-                grad = low
-                grad.copy_(logits)
-            _accumulate_grads(grad, hc, weight, grad_h, grad_w, start, stop)
+                exp = low
+                exp.copy_(logits)
+            _accumulate_grads(
+                exp, scale / sum_exp, scale, target, hc, weight, grad_h, grad_w, start, False
+            )
         ctx.save_for_backward(
             grad_h if grad_h is not None else torch.empty(0),
             grad_w if grad_w is not None else torch.empty(0),
@@ -174,13 +196,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         # Scaled in place: the gradients were made for this one backward (no retain_graph).
+        # A plain loss.backward() on CPU sends 1: no pass over the vocab-sized weight
+        # gradient then (elsewhere reading the value would wait for the device).
         grad_h, grad_w = ctx.saved_tensors
-        gh = (
-            grad_h.mul_(grad_out.to(grad_h.dtype)).to(ctx.hidden_dtype)
-            if ctx.needs_input_grad[0]
-            else None
-        )
-        gw = grad_w.mul_(grad_out).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        unit = grad_out.device.type == "cpu" and float(grad_out) == 1.0
+        gh = gw = None
+        if ctx.needs_input_grad[0]:
+            gh = (grad_h if unit else grad_h.mul_(grad_out.to(grad_h.dtype))).to(ctx.hidden_dtype)
+        if ctx.needs_input_grad[1]:
+            gw = (grad_w if unit else grad_w.mul_(grad_out)).to(ctx.weight_dtype)
         return gh, gw, None, None, None, None
 
 
