@@ -29,7 +29,9 @@ The load average is printed with the result.
 Headline ``ratio`` = ours bf16 / transformers bf16; ``fp32_ratio`` = ours fp32 /
 transformers fp32. ``mfu_pct`` is ours bf16 against the bf16 matmul rate measured in this
 run (``peak_tflops``, the best of six 1024² matmul measurements around the rounds);
-``mfu_fp32_pct`` ours fp32 against the fp32 rate.
+``mfu_fp32_pct`` ours fp32 against the fp32 rate. ``ratio_ceiling`` and
+``fp32_ratio_ceiling`` are what a runner doing nothing but the step's FLOPs at that rate
+would score against transformers: the bound on any ratio this benchmark can show.
 
     .venv/bin/python benchmarks/train_throughput.py            # debugmodel, batch 4 × 256
     .venv/bin/python benchmarks/train_throughput.py --quick    # fewer rounds (about 1 min)
@@ -269,6 +271,10 @@ def main() -> None:
     mfu = 100 * tps["ours_bf16"] * flops_tok / 1e12 / peak_bf16
     mfu32 = 100 * tps["ours_fp32"] * flops_tok / 1e12 / peak_fp32
     hf_mfu = 100 * tps["hf_bf16"] * flops_tok / 1e12 / peak_bf16
+    # The most any runner could reach: the step's FLOPs at the measured matmul rate, no
+    # other work. ceiling = transformers' step time / that time.
+    ceiling = peak_bf16 * 1e12 / (tps["hf_bf16"] * flops_tok)
+    fp32_ceiling = peak_fp32 * 1e12 / (tps["hf_fp32"] * flops_tok)
     extra = ", ".join(f"{k}={v}" for k, v in args.training) or "defaults"
     print(
         f"model deepseek_v2/{args.flavor}, batch {args.batch} × {args.seq_len}, {threads} threads, "
@@ -290,6 +296,11 @@ def main() -> None:
         f"MFU ours bf16 {mfu:.1f}% (transformers {hf_mfu:.1f}%) of the bf16 rate, "
         f"ours fp32 {mfu32:.1f}% of the fp32 rate"
     )
+    print(
+        f"ceiling (every FLOP at the measured matmul rate, nothing else): {ceiling:.2f}× "
+        f"transformers at bf16, {fp32_ceiling:.2f}× at fp32; 1.5× at fp32 needs "
+        f"{100 * 1.5 / fp32_ceiling:.0f}% MFU for the whole step"
+    )
     if not math.isclose(losses["ours_fp32"][0], losses["hf_fp32"][0], rel_tol=1e-3):
         print("WARNING: the fp32 first-step losses differ; the weight conversion may be wrong")
     if not math.isclose(losses["ours_bf16"][0], losses["hf_bf16"][0], rel_tol=1e-2):
@@ -308,6 +319,8 @@ def main() -> None:
                 "peak_tflops": round(peak_bf16, 4),
                 "mfu_fp32_pct": round(mfu32, 2),
                 "peak_fp32_tflops": round(peak_fp32, 4),
+                "ratio_ceiling": round(ceiling, 3),
+                "fp32_ratio_ceiling": round(fp32_ceiling, 3),
                 "threads": threads,
                 "rounds": args.steps,
                 "loadavg_before": round(load_before[0], 2),
