@@ -135,7 +135,8 @@ class TrainingSection(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` picks CUDA + NCCL when GPUs exist, else CPU + gloo."""
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
-    """Compute dtype of parameters under FSDP on GPU (CPU trains in float32)."""
+    """Compute dtype on GPU (CPU trains in float32): FSDP's gathered parameters, or the
+    autocast dtype on one rank, where the model is not sharded."""
     mixed_precision_reduce: Literal["bfloat16", "float32"] = "float32"
     """Gradient reduce-scatter dtype on GPU."""
     mixed_precision_cpu: bool = False
