@@ -64,6 +64,23 @@ def test_killed_worker_is_restarted_and_resumes_from_checkpoint(runs: dict[str, 
         assert resumed[step] == pytest.approx(reference[step], rel=1e-6), step
 
 
+def test_a_one_rank_checkpoint_continues_on_two_fsdp_ranks(runs: dict[str, Path]) -> None:
+    """One rank trains an unwrapped model; its checkpoint must load into FSDP2 shards."""
+    job = tiny_job(runs["root"] / "grown", runs["tokens"], **JOB)
+    stopped = run_worker(
+        job, nproc=1, extra_env={CRASH_STEP_ENV: "4", CRASH_RANK_ENV: "0"}, check=False
+    )
+    assert stopped.returncode != 0 and (runs["root"] / "grown" / "ckpt" / "step-3").is_dir()
+    job["checkpoint"] = {**job["checkpoint"], "resume": "latest"}
+    continued = run_worker(job, nproc=2)
+    assert "written by 1 ranks, now 2" in continued.stdout + continued.stderr
+    reference = step_losses(runs["single"] / "job")
+    resumed = step_losses(job["job"]["dump_folder"])
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-4), step
+
+
 def test_two_nodes_rendezvous_and_train_like_one_node(runs: dict[str, Path]) -> None:
     """Two torchrun agents ("nodes" of one process each) meet at a c10d rendezvous."""
     root = runs["root"] / "two_nodes"
