@@ -83,3 +83,10 @@ def test_library_code_never_imports_kedro() -> None:
         if any(m == "kedro" or m.startswith(("kedro.", "kedro_")) for m in _imports(path))
     )
     assert offenders == [], f"library modules importing Kedro: {offenders}"
+
+
+def test_launching_sits_above_training() -> None:
+    graph = _package_graph()
+    assert graph["launch"] >= {"config"}, graph["launch"]  # the graph was read
+    assert "launch" not in graph["train"], "train/ imports launch/: launching belongs above it"
+    assert graph["pipelines"] >= {"launch"}, graph["pipelines"]

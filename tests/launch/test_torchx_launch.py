@@ -22,8 +22,8 @@ from train.helpers import REPO, tiny_job, write_token_dir
 from titan_kedro.config import build_job_config
 from titan_kedro.hooks import ValidateJobConfigHook
 from titan_kedro.launch import LaunchCheckError, build_appdef, prepare_job
+from titan_kedro.launch.torchrun import TrainingFailedError, launch_training
 from titan_kedro.pipelines.training import nodes
-from titan_kedro.train.launch import TrainingFailedError, launch_training
 
 RUN_ENV = {
     "MLFLOW_RUN_ID": "0123456789abcdef",

@@ -13,10 +13,10 @@ from mlflow.tracking import MlflowClient
 from train.helpers import tiny_job, write_token_dir
 
 from titan_kedro.data.vocab import check_vocab_fits
+from titan_kedro.launch.torchrun import TrainingFailedError, torchrun_command
 from titan_kedro.pipelines.job_params import JOB_PARAMS
 from titan_kedro.pipelines.training import create_pipeline
 from titan_kedro.pipelines.training.nodes import train_model
-from titan_kedro.train.launch import TrainingFailedError, torchrun_command
 
 
 def test_pipeline_runs_after_data_and_model_spec() -> None:
@@ -95,7 +95,7 @@ def test_launch_timeout_stops_a_silent_group(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from titan_kedro.config import build_job_config
-    from titan_kedro.train import launch
+    from titan_kedro.launch import torchrun as launch
 
     cfg = build_job_config({"launch": {"timeout_s": 1, "log_dir": str(tmp_path / "logs")}})
     # Stand in for torchrun with a process that hangs without printing.

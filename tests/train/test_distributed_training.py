@@ -11,9 +11,9 @@ import pytest
 
 from titan_kedro.config import dump_job_config
 from titan_kedro.launch.appdef import free_port
+from titan_kedro.launch.torchrun import torchrun_command
 from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.train.faults import CRASH_RANK_ENV, CRASH_STEP_ENV
-from titan_kedro.train.launch import torchrun_command
 from train.helpers import REPO, read_metrics, run_worker, step_losses, tiny_job, write_token_dir
 
 pytestmark = pytest.mark.slow

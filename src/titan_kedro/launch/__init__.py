@@ -1,6 +1,6 @@
 """Launch the training job: torchrun on this machine, or one torchrun per node via TorchX.
 
-``launch.scheduler: local`` runs ``train.launch.launch_training``; any TorchX scheduler
+``launch.scheduler: local`` runs ``torchrun.launch_training``; any TorchX scheduler
 (``local_cwd``, ``slurm``, ``kubernetes``, …) gets the AppDef of ``appdef.build_appdef``,
 submitted and followed by ``scheduler.run_job``. Remote jobs are checked first
 (``preflight``); ``launch.dryrun`` writes the request instead (``dryrun``).
@@ -22,12 +22,14 @@ from titan_kedro.launch.preflight import (
     with_absolute_paths,
 )
 from titan_kedro.launch.scheduler import run_job
-from titan_kedro.train.launch import launch_training
+from titan_kedro.launch.torchrun import TrainingFailedError, launch_training, mlflow_env
 
 __all__ = [
     "LaunchCheckError",
+    "TrainingFailedError",
     "build_appdef",
     "launch_job",
+    "mlflow_env",
     "prepare_job",
     "run_job",
     "write_dryrun",

@@ -3,7 +3,7 @@
 It is the AppDef of TorchX's ``dist.ddp`` component (role named after the module,
 ``bash -c`` entrypoint, c10d rendezvous at the rank-0 node's ``c10d`` port with the app id
 as rendezvous id, ``nnodes`` replicas, per-replica resources) with this project's torchrun
-flags (``train.launch.torchrun_command``: restarts, log folder, rank-0 tee) and
+flags (``launch.torchrun.torchrun_command``: restarts, log folder, rank-0 tee) and
 ``-m titan_kedro.train --config <job_config.yaml>``.
 """
 
@@ -20,7 +20,7 @@ from torchx import specs
 from torchx.specs import macros
 
 from titan_kedro.config.schema import LOCAL_CWD_SCHEDULER
-from titan_kedro.train.launch import torchrun_command
+from titan_kedro.launch.torchrun import torchrun_command
 
 ROLE = "train"
 """The role's name (``dist.ddp`` names it after the module: ``titan_kedro.train``)."""

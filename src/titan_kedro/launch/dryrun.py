@@ -16,7 +16,7 @@ from torchx.specs import AppDef
 from titan_kedro.config.schema import LOCAL_SCHEDULER
 from titan_kedro.launch.preflight import check_remote_launch, redact_tracking_uri
 from titan_kedro.launch.scheduler import dryrun_info, render_request, signals_restored
-from titan_kedro.train.launch import torchrun_command
+from titan_kedro.launch.torchrun import torchrun_command
 
 
 def appdef_json(app: AppDef, env: Mapping[str, str]) -> str:

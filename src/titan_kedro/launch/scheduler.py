@@ -27,7 +27,7 @@ from torchx.specs import AppDef, AppDryRunInfo, AppState, AppStatus
 from titan_kedro.config.schema import LOCAL_CWD_SCHEDULER
 from titan_kedro.launch.appdef import ROLE, ROLE_ARGS
 from titan_kedro.launch.preflight import redact_tracking_uri
-from titan_kedro.train.launch import TrainingFailedError, new_failing_rank_log, run_dirs
+from titan_kedro.launch.torchrun import TrainingFailedError, new_failing_rank_log, run_dirs
 
 logger = logging.getLogger(__name__)
 

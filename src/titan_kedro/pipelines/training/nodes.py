@@ -13,11 +13,10 @@ from typing import Any
 
 from titan_kedro.config import dump_job_config
 from titan_kedro.data.vocab import check_vocab_fits
-from titan_kedro.launch import launch_job, prepare_job
+from titan_kedro.launch import TrainingFailedError, launch_job, mlflow_env, prepare_job
 from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.plan import build_plan, check_plan_fits, format_plan
 from titan_kedro.tracking.mlflow_logger import RUN_ID_ENV
-from titan_kedro.train.launch import TrainingFailedError, mlflow_env
 from titan_kedro.train.run_identity import prepare_run
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
-"""Start the training workers with torchrun and wait for them (used by the Kedro node).
+"""torchrun on this machine: its command line, the local worker group, its failures.
 
-The launcher builds the ``python -m torch.distributed.run … -m titan_kedro.train``
+It builds the ``python -m torch.distributed.run … -m titan_kedro.train``
 command from the ``launch`` section, passes the active MLflow run to the workers through
 ``MLFLOW_RUN_ID`` / ``MLFLOW_TRACKING_URI``, streams rank 0's output to the console, and
 on failure raises with the tail of the failing rank's log.
