@@ -7,17 +7,15 @@ import json
 import logging
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+from launch.job_processes import start_training_node, wait_for_workers
 from torchx.components.dist import ddp
-from train.helpers import REPO, tiny_job, write_token_dir
+from train.helpers import tiny_job, write_token_dir
 
 from titan_kedro.config import build_job_config
 from titan_kedro.hooks import ValidateJobConfigHook
@@ -229,18 +227,6 @@ def test_a_local_cwd_job_past_its_timeout_is_cancelled(tmp_path: Path) -> None:
     assert set(psutil.Process().children(recursive=True)) <= before
 
 
-INTERRUPTED_JOB = """
-import json
-from titan_kedro.pipelines.training.nodes import train_model
-job = json.loads({job!r})
-train_model({{"vocab_size": 512}}, {{}}, **job)
-"""
-
-
-def _job_processes(parent: psutil.Process) -> list[psutil.Process]:
-    return [p for p in parent.children(recursive=True) if p.is_running()]
-
-
 @pytest.mark.slow
 def test_interrupting_a_local_cwd_run_leaves_no_process_behind(tmp_path: Path) -> None:
     tokens = write_token_dir(tmp_path / "tokens", n_train=4000)
@@ -250,39 +236,19 @@ def test_interrupting_a_local_cwd_run_leaves_no_process_behind(tmp_path: Path) -
         training={"steps": 100_000},
         launch={"scheduler": "local_cwd", "nnodes": 2},
     )
-    script = INTERRUPTED_JOB.format(job=json.dumps(job))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("MLFLOW_RUN_ID", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    parent = psutil.Process(proc.pid)
-    deadline = time.monotonic() + 120
-    workers: list[psutil.Process] = []
+    log = tmp_path / "node.log"
+    node = start_training_node(job, log)
     try:
-        while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.5)
-            family = _job_processes(parent)
-            workers = [p for p in family if _is_worker(p)]
-        assert len(workers) == 2, "the two workers (one per agent) never started"
-        family = _job_processes(parent)  # agents, their shells and the workers
+        family = wait_for_workers(node, 2, log)  # agents, their wrappers and the workers
         time.sleep(2)  # the workers are inside training now
-        proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=90)
+        node.send_signal(signal.SIGINT)
+        node.wait(timeout=90)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0 and "KeyboardInterrupt" in output, output[-3000:]
+        if node.poll() is None:
+            node.kill()
+    output = log.read_text(errors="replace")
+    assert node.returncode != 0 and "KeyboardInterrupt" in output, output[-3000:]
     assert "cancelling" in output
     gone, alive = psutil.wait_procs(family, timeout=5)
     assert not alive, [p.cmdline() for p in alive]
     assert len(gone) >= 4  # two agents and two workers at least
-
-
-def _is_worker(proc: psutil.Process) -> bool:
-    try:
-        cmd = proc.cmdline()
-    except psutil.Error:
-        return False
-    return "titan_kedro.train" in cmd and "torch.distributed.run" not in cmd

@@ -21,6 +21,7 @@ from torchx.specs import macros
 
 from titan_kedro.config.schema import LOCAL_CWD_SCHEDULER
 from titan_kedro.launch.torchrun import torchrun_command
+from titan_kedro.train.parent_death import guarded_command
 
 ROLE = "train"
 """The role's name (``dist.ddp`` names it after the module: ``titan_kedro.train``)."""
@@ -74,6 +75,9 @@ def build_appdef(cfg: Any, config_path: str | Path, env: Mapping[str, str]) -> s
     python = sys.executable if launch.scheduler in HOST_SCHEDULERS else "python"
     endpoint = rendezvous_endpoint(launch)
     cmd = torchrun_command(launch, config_path, python=python, rendezvous=(endpoint, macros.app_id))
+    if launch.scheduler == LOCAL_CWD_SCHEDULER:
+        # The agents are this process's children: they end with it (bash execs the wrapper).
+        cmd = ["exec", *guarded_command(cmd, python=python)]
     role_args = {k: v for k, v in launch.scheduler_args.items() if k in ROLE_ARGS}
     mounts = role_args.get("mounts") or []
     # One TorchX mount string per mount ("type=bind,src=/x,dst=/x"), split as its CLI does.

@@ -10,12 +10,10 @@ replica's log tail and, where the torchrun log folder is visible, the failing ra
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import signal
 import sys
 import threading
-import time
 from collections import deque
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -27,7 +25,13 @@ from torchx.specs import AppDef, AppDryRunInfo, AppState, AppStatus
 from titan_kedro.config.schema import LOCAL_CWD_SCHEDULER
 from titan_kedro.launch.appdef import ROLE, ROLE_ARGS
 from titan_kedro.launch.preflight import redact_tracking_uri
-from titan_kedro.launch.torchrun import TrainingFailedError, new_failing_rank_log, run_dirs
+from titan_kedro.launch.supervise import OutputFollower, supervise, wait_until
+from titan_kedro.launch.torchrun import (
+    TrainingFailedError,
+    error_file_message,
+    new_failing_rank_log,
+    run_dirs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,37 +102,6 @@ def render_request(info: AppDryRunInfo, env: Mapping[str, str]) -> str:
     return redact_tracking_uri(text, env)
 
 
-class _Follower:
-    """One thread per replica that echoes its log and keeps the tail."""
-
-    def __init__(self, runner: Runner, handle: str, nnodes: int, console: IO[str]) -> None:
-        self.tails = [deque[str](maxlen=400) for _ in range(nnodes)]
-        self._lock = threading.Lock()
-        self._runner, self._handle, self._console = runner, handle, console
-        self.threads = [
-            threading.Thread(target=self._follow, args=(k,), daemon=True, name=f"log-{k}")
-            for k in range(nnodes)
-        ]
-        for thread in self.threads:
-            thread.start()
-
-    def _follow(self, k: int) -> None:
-        prefix = f"[node {k}] " if len(self.tails) > 1 else ""
-        try:
-            for line in self._runner.log_lines(self._handle, ROLE, k, should_tail=True):
-                self.tails[k].append(line)
-                with self._lock:
-                    self._console.write(prefix + (line if line.endswith("\n") else line + "\n"))
-                    self._console.flush()
-        except Exception as err:  # logs are best effort; the job's state decides
-            logger.warning("cannot follow the log of node %d: %s", k, err)
-
-    def join(self, timeout_s: float) -> None:
-        end = time.monotonic() + timeout_s
-        for thread in self.threads:
-            thread.join(max(0.0, end - time.monotonic()))
-
-
 def _failing_replica(status: AppStatus, tails: list[deque[str]]) -> int:
     for role in status.roles:
         for replica in role.replicas:
@@ -140,23 +113,14 @@ def _failing_replica(status: AppStatus, tails: list[deque[str]]) -> int:
     return 0
 
 
-def _error_message(structured: str) -> str:
-    """The message of torchrun's error file as TorchX reports it (else the text as is)."""
-    if not structured or structured == "<NONE>":
-        return ""
-    try:
-        return str(json.loads(structured)["message"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return structured
+def _ended(status: AppStatus | None) -> bool:
+    return status is None or status.is_terminal()
 
 
-def _wait_terminal(runner: Runner, handle: str, timeout_s: float) -> AppStatus | None:
-    end = time.monotonic() + timeout_s
-    status = runner.status(handle)
-    while status is not None and not status.is_terminal() and time.monotonic() < end:
-        time.sleep(0.5)
-        status = runner.status(handle)
-    return status
+def _cancel(runner: Runner, handle: str) -> None:
+    logger.warning("cancelling %s", handle)
+    runner.cancel(handle)
+    wait_until(lambda: runner.status(handle), _ended, 60)
 
 
 def run_job(
@@ -192,24 +156,18 @@ def run_job(
         _install_interrupt_handlers()
         handle = runner.schedule(info)
         logger.info("submitted %s (%d × %d workers)", handle, launch.nnodes, launch.nproc_per_node)
-        follower = _Follower(runner, handle, launch.nnodes, console)
-        deadline = time.monotonic() + launch.timeout_s if launch.timeout_s else None
-        timed_out = False
-        try:
-            status = runner.status(handle)
-            while status is not None and not status.is_terminal():
-                if deadline is not None and time.monotonic() > deadline:
-                    timed_out = True
-                    runner.cancel(handle)
-                    status = _wait_terminal(runner, handle, 60)
-                    break
-                time.sleep(poll_s)
-                status = runner.status(handle)
-        except BaseException:
-            logger.warning("interrupted: cancelling %s", handle)
-            runner.cancel(handle)
-            _wait_terminal(runner, handle, 60)
-            raise
+        follower = OutputFollower(
+            [
+                lambda k=k: runner.log_lines(handle, ROLE, k, should_tail=True)
+                for k in range(launch.nnodes)
+            ],
+            console,
+            [f"[node {k}] " for k in range(launch.nnodes)] if launch.nnodes > 1 else None,
+        )
+        status, timed_out = supervise(
+            lambda: runner.status(handle), _ended, lambda: _cancel(runner, handle),
+            timeout_s=launch.timeout_s, poll_s=poll_s,
+        )  # fmt: skip
         follower.join(10)
     if status is not None and status.state == AppState.SUCCEEDED and not timed_out:
         return handle
@@ -222,7 +180,7 @@ def run_job(
         if timed_out
         else f"ended {state}"
     )
-    error = _error_message(status.structured_error_msg if status is not None else "")
+    error = error_file_message(status.structured_error_msg if status is not None else "")
     raise TrainingFailedError(
         f"training job {handle} {reason}. Worker logs: {log_dir}\n"
         f"--- node {k} output (last {TAIL_LINES} lines) ---\n{replica_log}"

@@ -1,9 +1,12 @@
 """torchrun on this machine: its command line, the local worker group, its failures.
 
-It builds the ``python -m torch.distributed.run … -m titan_kedro.train``
-command from the ``launch`` section, passes the active MLflow run to the workers through
-``MLFLOW_RUN_ID`` / ``MLFLOW_TRACKING_URI``, streams rank 0's output to the console, and
-on failure raises with the tail of the failing rank's log.
+``torchrun_command`` builds ``python -m torch.distributed.run … -m titan_kedro.train``
+from the ``launch`` section (TorchX jobs run the same line on every node).
+``start_torchrun`` starts one agent here, in a session of its own and with a parent-death
+signal, so it ends when this process does, even by SIGKILL (its workers end with it);
+``follow_torchrun`` echoes rank 0's output, stops the group on an interrupt or past
+``launch.timeout_s``, and on failure raises ``TrainingFailedError`` with the tail of the
+failing rank's log. ``launch_training`` is both, for ``launch.scheduler: local``.
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ import re
 import signal
 import subprocess
 import sys
-import threading
-from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from titan_kedro.launch.supervise import OutputFollower, supervise
 from titan_kedro.tracking.mlflow_logger import RUN_ID_ENV, TRACKING_URI_ENV
+from titan_kedro.train.parent_death import guarded_command
 
 
 class TrainingFailedError(RuntimeError):
@@ -75,6 +79,19 @@ def mlflow_env() -> dict[str, str]:
     return {RUN_ID_ENV: run.info.run_id, TRACKING_URI_ENV: mlflow.get_tracking_uri()}
 
 
+def error_file_message(text: str) -> str:
+    """The message of a torchelastic error file (``error.json``; TorchX's structured error).
+
+    Text that is not such a file is returned as is; ``<NONE>`` (no error) gives "".
+    """
+    if not text or text == "<NONE>":
+        return ""
+    try:
+        return str(json.loads(text)["message"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return text
+
+
 def run_dirs(log_dir: Path) -> set[Path]:
     """The torchrun run folders (one per agent and launch) under ``log_dir``."""
     return {p for p in log_dir.iterdir() if p.is_dir()} if log_dir.is_dir() else set()
@@ -103,12 +120,7 @@ def failing_rank_log(run_dir: Path | None, torchrun_output: str, lines: int = 40
     candidates += sorted(p.parent for p in attempts[-1].glob("*/error.json"))
     for rank_dir in candidates:
         error = rank_dir / "error.json"
-        message = ""
-        if error.is_file():
-            try:
-                message = json.loads(error.read_text())["message"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = ""
+        message = error_file_message(error.read_text()) if error.is_file() else ""
         log = _tail(rank_dir / "stderr.log", lines)
         if log or message:
             header = (
@@ -131,6 +143,108 @@ def new_failing_rank_log(log_dir: Path, before: set[Path], torchrun_output: str)
     return ""
 
 
+@dataclass
+class TorchrunGroup:
+    """One torchrun agent started here, with what its error report needs."""
+
+    process: subprocess.Popen[str]
+    """torchrun itself (its own session; its output merged into ``stdout``)."""
+    command: list[str]
+    """The command line, for the error message."""
+    log_dir: Path
+    """torchrun's ``--log-dir``."""
+    before: set[Path]
+    """The run folders already in ``log_dir`` before this start."""
+
+
+def start_torchrun(
+    launch: Any,
+    config_path: str | Path,
+    *,
+    extra_env: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
+    command: Sequence[str] | None = None,
+) -> TorchrunGroup:
+    """Start one torchrun agent (one node's workers) as a child that ends with this process.
+
+    torchrun is started through ``train.parent_death``'s wrapper: it gets SIGTERM when the
+    calling thread exits, so call this from the thread that follows the group
+    (``follow_torchrun``), not a short-lived one.
+
+    Args:
+        launch: The ``launch`` section.
+        config_path: The resolved job config the workers load.
+        extra_env: More environment variables for the workers.
+        cwd: Working directory of the workers (default: the current one).
+        command: The torchrun command line (default ``torchrun_command(launch, config_path)``).
+    """
+    log_dir = Path(launch.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    before = run_dirs(log_dir)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **mlflow_env(), **dict(extra_env or {})}
+    # torchrun forces OMP_NUM_THREADS=1 otherwise; the worker sets its own thread count.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // launch.nproc_per_node)))
+    cmd = list(command or torchrun_command(launch, config_path))
+    process = subprocess.Popen(
+        guarded_command(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1, start_new_session=True,
+    )  # fmt: skip
+    return TorchrunGroup(process, cmd, log_dir, before)
+
+
+def stop_torchrun(group: TorchrunGroup, grace_s: float = 20) -> None:
+    """SIGTERM to the agent's process group, SIGKILL after ``grace_s``; waits for it."""
+    proc = group.process
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def follow_torchrun(
+    group: TorchrunGroup,
+    *,
+    timeout_s: float | None = None,
+    console: IO[str] | None = None,
+) -> None:
+    """Echo the group's output until it ends; stop it past ``timeout_s`` or when interrupted.
+
+    Raises:
+        TrainingFailedError: torchrun exited non-zero or ran past ``timeout_s``; the
+            message quotes the failing rank's log tail.
+        KeyboardInterrupt: The caller was interrupted; the group was stopped first.
+    """
+    proc = group.process
+    assert proc.stdout is not None
+    stdout = proc.stdout
+    follower = OutputFollower([lambda: stdout], console or sys.stdout)
+    rc, timed_out = supervise(
+        proc.poll, lambda code: code is not None, lambda: stop_torchrun(group),
+        timeout_s=timeout_s, poll_s=0.2,
+    )  # fmt: skip
+    follower.join(10)
+    if rc == 0 and not timed_out:
+        return
+    output = "".join(follower.tails[0])
+    worker_log = new_failing_rank_log(group.log_dir, group.before, output)
+    reason = (
+        f"ran past launch.timeout_s={timeout_s}s and was stopped"
+        if timed_out
+        else f"exited with code {rc}"
+    )
+    raise TrainingFailedError(
+        f"training {reason}. Command: {' '.join(group.command)}\nWorker logs: {group.log_dir}\n"
+        + (worker_log or "--- torchrun output ---\n" + "\n".join(output.splitlines()[-60:]))
+    )
+
+
 def launch_training(
     cfg: Any,
     config_path: str | Path,
@@ -139,7 +253,7 @@ def launch_training(
     console: IO[str] | None = None,
     cwd: str | Path | None = None,
 ) -> None:
-    """Run the torchrun worker group to completion, streaming rank 0's output.
+    """Run the torchrun worker group here to completion, streaming rank 0's output.
 
     Args:
         cfg: The job config (reads ``launch``).
@@ -160,68 +274,7 @@ def launch_training(
             "slurm, kubernetes or another TorchX scheduler"
         )
     console = console or sys.stdout
-    log_dir = Path(launch.log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    before = run_dirs(log_dir)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **mlflow_env(), **dict(extra_env or {})}
-    # torchrun forces OMP_NUM_THREADS=1 otherwise; the worker sets its own thread count.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // launch.nproc_per_node)))
-    cmd = torchrun_command(launch, config_path)
-    console.write("launching: " + " ".join(cmd) + "\n")
+    group = start_torchrun(launch, config_path, extra_env=extra_env, cwd=cwd)
+    console.write("launching: " + " ".join(group.command) + "\n")
     console.flush()
-    tail: deque[str] = deque(maxlen=400)
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, errors="replace", bufsize=1, start_new_session=True,
-    )  # fmt: skip
-    expired = threading.Event()
-
-    def _on_timeout() -> None:
-        expired.set()
-        _kill_group(proc)
-
-    # A timer, not a check between lines: a hung group prints nothing.
-    watchdog = threading.Timer(launch.timeout_s, _on_timeout) if launch.timeout_s else None
-    assert proc.stdout is not None
-    try:
-        if watchdog is not None:
-            watchdog.daemon = True
-            watchdog.start()
-        for line in proc.stdout:
-            console.write(line)
-            console.flush()
-            tail.append(line)
-        rc = proc.wait()
-    except BaseException:
-        _kill_group(proc)
-        raise
-    finally:
-        if watchdog is not None:
-            watchdog.cancel()
-    timed_out = expired.is_set()
-    if rc == 0 and not timed_out:
-        return
-    output = "".join(tail)
-    worker_log = new_failing_rank_log(log_dir, before, output)
-    reason = (
-        f"ran past launch.timeout_s={launch.timeout_s}s and was stopped"
-        if timed_out
-        else f"exited with code {rc}"
-    )
-    raise TrainingFailedError(
-        f"training {reason}. Command: {' '.join(cmd)}\nWorker logs: {log_dir}\n"
-        + (worker_log or "--- torchrun output ---\n" + "\n".join(output.splitlines()[-60:]))
-    )
-
-
-def _kill_group(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=20)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    follow_torchrun(group, timeout_s=launch.timeout_s, console=console)

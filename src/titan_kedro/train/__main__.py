@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -39,6 +41,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from titan_kedro.config import load_raw_config
 from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.train.device import env_int
+from titan_kedro.train.parent_death import die_with_parent
+
+AGENT_ENV = "TORCHELASTIC_RUN_ID"
+"""Set by torchrun's agent in every worker it starts."""
 
 
 def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -56,6 +62,8 @@ def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
 @record
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one worker; returns the process exit code."""
+    if AGENT_ENV in os.environ:  # started by torchrun: end with it, even if it is killed
+        die_with_parent(signal.SIGKILL)
     rank = env_int("RANK", 0)
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,

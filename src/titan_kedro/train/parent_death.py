@@ -1,0 +1,111 @@
+"""A process that ends when its parent does (Linux ``prctl(PR_SET_PDEATHSIG)``).
+
+``kedro run`` starts torchrun in a session of its own (so Ctrl-C is handled, not sent
+blindly to every worker), and torchrun starts each worker in a session of its own: a
+signal to ``kedro run``'s process group reaches neither. If ``kedro run`` dies without
+running its handlers (SIGKILL, the OOM killer), the kernel's parent-death signal is what
+still ends torchrun; torchrun's death ends the workers the same way.
+
+The signal is sent when the *thread* that started the process exits, so the process must
+be started by a thread that lives as long as it (the launcher's thread that waits for it).
+
+The launchers start torchrun through this module's wrapper (no ``preexec_fn``, which is
+unsafe in a process with threads; TorchX's ``local_cwd`` offers none)::
+
+    python -m titan_kedro.train.parent_death --parent-pid 1234 -- torchrun …
+
+sets the signal on itself, checks that its parent is still process 1234, and ``exec``s the
+command (the signal survives ``exec``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+PR_SET_PDEATHSIG = 1
+"""``prctl`` option: the signal this process gets when its parent thread exits."""
+ORPHANED_EXIT_CODE = 128 + signal.SIGTERM
+"""Exit code of a process that found its parent already gone (as if SIGTERM ended it)."""
+
+
+def set_parent_death_signal(sig: int) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent exits.
+
+    Returns:
+        False where the platform has no such call (not Linux); True once set.
+
+    Raises:
+        OSError: ``prctl`` refused.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl(PR_SET_PDEATHSIG, {int(sig)}): {os.strerror(errno)}")
+    return True
+
+
+def die_with_parent(sig: int, expected_parent: int | None = None) -> bool:
+    """End this process with ``sig`` when its parent exits (and now, if it already has).
+
+    Args:
+        sig: The signal to receive (``SIGTERM`` lets the process clean up, ``SIGKILL``
+            does not wait for it).
+        expected_parent: The parent's pid, if known; else the parent at the time of the
+            call. A parent that died before the signal was set is caught by comparing it
+            with the parent afterwards.
+
+    Returns:
+        Whether the signal is set (False off Linux).
+    """
+    parent = os.getppid() if expected_parent is None else expected_parent
+    armed = set_parent_death_signal(sig)
+    if armed and os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+    return armed
+
+
+def guarded_command(command: Sequence[str], *, python: str = sys.executable) -> list[str]:
+    """``command`` run through this module's wrapper, ending when this process does.
+
+    The wrapper's parent must be this process: start it from here (``subprocess``, TorchX's
+    ``local_cwd``), and a shell around it must ``exec`` it.
+    """
+    return [
+        python, "-m", "titan_kedro.train.parent_death",
+        "--parent-pid", str(os.getpid()), "--", *command,
+    ]  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``--parent-pid PID -- command …``: die with ``PID``, then become ``command``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m titan_kedro.train.parent_death",
+        description="Run a command that gets SIGTERM when its parent process exits.",
+    )
+    parser.add_argument("--parent-pid", type=int, required=True, help="the expected parent")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- command and arguments")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command after --")
+    if os.getppid() != args.parent_pid:
+        print(
+            f"parent_death: the launcher (pid {args.parent_pid}) is gone or is not this "
+            f"process's parent (pid {os.getppid()}); not starting {command[0]}",
+            file=sys.stderr,
+        )
+        return ORPHANED_EXIT_CODE
+    die_with_parent(signal.SIGTERM, args.parent_pid)
+    os.execvp(command[0], command)
+    return 0  # not reached: exec replaced this process
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""A SIGKILL of the ``kedro run`` process alone ends torchrun and every worker.
+
+torchrun runs in a session of its own and so does each worker, so no signal to the
+launcher's process group reaches them; the parent-death signal (``train.parent_death``)
+does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from launch.job_processes import is_worker, start_training_node, wait_for_workers
+from train.helpers import REPO, tiny_job, write_token_dir
+
+from titan_kedro.train.parent_death import ORPHANED_EXIT_CODE, guarded_command
+
+ENDED_WITHIN_S = 10
+"""The issue's bound: torchrun and every worker end this soon after the launcher's death."""
+
+LAUNCHER = """
+import subprocess, sys
+from titan_kedro.train.parent_death import guarded_command
+child = subprocess.Popen(guarded_command([sys.executable, "-c", "import time; time.sleep(600)"]))
+print(child.pid, flush=True)
+child.wait()
+"""
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO / "src")}
+
+
+def test_a_guarded_command_ends_when_its_launcher_is_killed() -> None:
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(LAUNCHER)],
+        stdout=subprocess.PIPE, text=True, env=_env(),
+    )  # fmt: skip
+    try:
+        assert launcher.stdout is not None
+        child = psutil.Process(int(launcher.stdout.readline()))
+        deadline = time.monotonic() + 60
+        while "titan_kedro.train.parent_death" in child.cmdline():
+            assert time.monotonic() < deadline, "the wrapper never exec'd its command"
+            time.sleep(0.1)
+        # The wrapper became the command: a sleep of 600 s, the launcher's child.
+        assert child.ppid() == launcher.pid
+        launcher.kill()
+        launcher.wait()
+        gone, alive = psutil.wait_procs([child], timeout=ENDED_WITHIN_S)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    for proc in alive:
+        proc.kill()
+    assert not alive and gone == [child]
+
+
+def test_the_wrapper_refuses_to_start_when_its_launcher_is_already_gone() -> None:
+    cmd = guarded_command([sys.executable, "-c", "print('started')"])
+    cmd[cmd.index("--parent-pid") + 1] = "1"  # not this process's parent
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, env=_env(), timeout=60)
+    assert done.returncode == ORPHANED_EXIT_CODE
+    assert "started" not in done.stdout and "(pid 1) is gone" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("launch", "workers"),
+    [({"nproc_per_node": 2}, 2), ({"scheduler": "local_cwd", "nnodes": 2}, 2)],
+    ids=["local", "local_cwd"],
+)
+def test_killing_the_launcher_alone_ends_torchrun_and_every_worker(
+    launch: dict[str, object], workers: int, tmp_path: Path
+) -> None:
+    tokens = write_token_dir(tmp_path / "tokens", n_train=4000)
+    job = tiny_job(tmp_path, tokens, training={"steps": 100_000}, launch=launch)
+    log = tmp_path / "node.log"
+    node = start_training_node(job, log)
+    try:
+        family = wait_for_workers(node, workers, log)
+        trainers = [p for p in family if is_worker(p)]
+        # No signal to the launcher's process group would reach the workers.
+        assert all(os.getpgid(p.pid) != os.getpgid(node.pid) for p in trainers)
+        time.sleep(2)  # the workers are inside training now
+        node.send_signal(signal.SIGKILL)  # the process alone, not its group
+        node.wait()
+        start = time.monotonic()
+        gone, alive = psutil.wait_procs(family, timeout=ENDED_WITHIN_S)
+        ended_in = time.monotonic() - start
+    finally:
+        if node.poll() is None:
+            node.kill()
+    leftovers = [p.cmdline() for p in alive]
+    for proc in alive:
+        proc.kill()
+    assert not leftovers, f"still running {ENDED_WITHIN_S}s after the launcher died: {leftovers}"
+    assert len(trainers) == workers and set(trainers) <= set(gone)
+    assert ended_in < ENDED_WITHIN_S
