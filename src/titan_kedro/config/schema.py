@@ -281,6 +281,13 @@ class CheckpointSection(Section):
     initial_load_hf: str | None = None
     """Hugging Face folder (safetensors + ``config.json``) whose weights start a new run
     (continued pretraining); ignored when the run continues from its own checkpoint."""
+    lock_timeout_s: int = Field(900, gt=0)
+    """A run folder's lock (``writer.lock``, held by rank 0 while it trains) whose holder runs
+    on another host counts as stale once its heartbeat is older than this (same host: once
+    the holder's process is gone); a stale lock is taken over with a warning."""
+    break_lock: bool = False
+    """Take the run folder's lock even from a holder that looks alive (another host's job
+    you know is gone); two live writers in one folder would mix their checkpoints."""
 
 
 class MetricsSection(Section):

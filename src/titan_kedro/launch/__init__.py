@@ -8,6 +8,7 @@ submitted and followed by ``scheduler.run_job``. Remote jobs are checked first
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -23,17 +24,22 @@ from titan_kedro.launch.preflight import (
 )
 from titan_kedro.launch.scheduler import run_job
 from titan_kedro.launch.torchrun import TrainingFailedError, launch_training, mlflow_env
+from titan_kedro.train.run_lock import RunFolderLockedError, check_run_folder
 
 __all__ = [
     "LaunchCheckError",
+    "RunFolderLockedError",
     "TrainingFailedError",
     "build_appdef",
+    "check_run_folder_free",
     "launch_job",
     "mlflow_env",
     "prepare_job",
     "run_job",
     "write_dryrun",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 def prepare_job(cfg: Any, env: Mapping[str, str]) -> Any:
@@ -44,12 +50,37 @@ def prepare_job(cfg: Any, env: Mapping[str, str]) -> Any:
 
     Raises:
         LaunchCheckError: A remote job could not see its files or reach MLflow.
+        RunFolderLockedError: A live run trains into the run folder (see
+            :func:`check_run_folder_free`).
     """
+    if not cfg.launch.dryrun:
+        check_run_folder_free(cfg)
     if not is_remote(cfg.launch.scheduler):
         return cfg
     if not cfg.launch.dryrun:
         check_remote_launch(cfg, env)
     return with_absolute_paths(cfg)
+
+
+def check_run_folder_free(cfg: Any) -> None:
+    """Refuse to start a second writer in a run folder that a live run trains into.
+
+    The workers' rank 0 takes the lock (``train.run_lock``); this check fails before
+    anything is written or submitted.
+
+    Raises:
+        RunFolderLockedError: The holder is alive; the message names it.
+    """
+    ckpt = cfg.checkpoint
+    if not ckpt.enable:
+        return
+    stale = check_run_folder(ckpt.folder, timeout_s=ckpt.lock_timeout_s, break_lock=ckpt.break_lock)
+    if stale is not None:
+        logger.warning(
+            "run folder %s is locked by %s, which is gone: the workers take the lock over",
+            ckpt.folder,
+            stale.describe(),
+        )
 
 
 def launch_job(

@@ -30,11 +30,13 @@ and a worker group that torchrun restarts continues from that folder's latest ch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -42,6 +44,7 @@ from titan_kedro.config import load_raw_config
 from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.train.device import env_int
 from titan_kedro.train.parent_death import die_with_parent
+from titan_kedro.train.run_lock import hold_run_folder
 
 AGENT_ENV = "TORCHELASTIC_RUN_ID"
 """Set by torchrun's agent in every worker it starts."""
@@ -57,6 +60,19 @@ def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     parser.add_argument("--config", help="job config file (.yaml, .toml or .json)")
     known, overrides = parser.parse_known_args(list(argv))
     return known.config, overrides
+
+
+def run_folder_held(cfg: Any, rank: int) -> contextlib.AbstractContextManager[Any]:
+    """Rank 0 holds the run folder's lock while it trains (``train.run_lock``)."""
+    ckpt = cfg.checkpoint
+    if rank != 0 or not ckpt.enable:
+        return contextlib.nullcontext()
+    return hold_run_folder(
+        ckpt.folder,
+        timeout_s=ckpt.lock_timeout_s,
+        break_lock=ckpt.break_lock,
+        run_id=cfg.job.run_id,
+    )
 
 
 @record
@@ -84,15 +100,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     system_metrics = NodeSystemMetrics(
         metrics_cfg.system_metrics_interval_s, enable=metrics_cfg.enable_mlflow
     )
-    system_metrics.start()
-    try:
-        trainer = Trainer(resolved)
+    with run_folder_held(resolved.config, rank):
+        system_metrics.start()
         try:
-            summary = trainer.train()
+            trainer = Trainer(resolved)
+            try:
+                summary = trainer.train()
+            finally:
+                trainer.close()
         finally:
-            trainer.close()
-    finally:
-        system_metrics.stop()
+            system_metrics.stop()
     if rank == 0:
         logging.getLogger(__name__).info("training finished: %s", summary)
     return 0

@@ -1,0 +1,161 @@
+"""One writer per run folder: a live holder is named and refused, a stale lock taken over."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from titan_kedro.train.run_lock import (
+    LOCK_FILE,
+    LockHolder,
+    RunFolderLockedError,
+    check_run_folder,
+    hold_run_folder,
+    read_holder,
+)
+
+from .helpers import REPO, run_worker, tiny_job, write_token_dir
+
+TIMEOUT_S = 900
+
+HOLDER = """
+import sys, time
+from titan_kedro.train.run_lock import hold_run_folder
+with hold_run_folder(sys.argv[1], timeout_s=900, run_id="run-1"):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+@contextmanager
+def live_holder(folder: Path) -> Iterator[subprocess.Popen[str]]:
+    """Another process that trains into ``folder`` (holds its lock) until the block ends."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(HOLDER), str(folder)],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "held\n"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _foreign_lock(folder: Path, *, age_s: float, group: str | None = None) -> LockHolder:
+    """A lock written by a process on another host, last refreshed ``age_s`` ago."""
+    folder.mkdir(parents=True, exist_ok=True)
+    holder = LockHolder(
+        pid=4242, host="node-elsewhere", process_start=1.0, taken=time.time() - age_s,
+        run_id="run-1", group=group,
+    )  # fmt: skip
+    path = folder / LOCK_FILE
+    path.write_text(json.dumps(asdict(holder)), encoding="utf-8")
+    os.utime(path, (time.time() - age_s, time.time() - age_s))
+    return holder
+
+
+def test_a_live_writer_on_this_host_is_refused_by_name(tmp_path: Path) -> None:
+    folder = tmp_path / "run-1"
+    with live_holder(folder) as holder:
+        with pytest.raises(RunFolderLockedError) as err:
+            check_run_folder(folder, timeout_s=TIMEOUT_S)
+        message = str(err.value)
+        assert f"pid {holder.pid} on host {socket.gethostname()} (run run-1" in message
+        assert "wait for it to finish or stop it" in message
+        with pytest.raises(RunFolderLockedError), hold_run_folder(folder, timeout_s=TIMEOUT_S):
+            pytest.fail("a second writer got the lock")
+        assert read_holder(folder)[0].pid == holder.pid  # untouched by the refusal
+
+
+def test_a_dead_holders_lock_is_taken_over_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "run-1"
+    with live_holder(folder) as holder:
+        pass  # SIGKILLed: its lock file stays behind
+    assert read_holder(folder)[0].pid == holder.pid
+    with caplog.at_level(logging.WARNING), hold_run_folder(folder, timeout_s=TIMEOUT_S) as me:
+        assert read_holder(folder)[0] == me and me.pid == os.getpid()
+    assert f"taking over the lock of pid {holder.pid}" in caplog.text
+    assert "the holder is gone" in caplog.text
+    assert not (folder / LOCK_FILE).exists()  # released at the end
+
+
+def test_another_hosts_lock_is_stale_only_after_its_timeout(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "run-1"
+    _foreign_lock(folder, age_s=30)
+    with pytest.raises(RunFolderLockedError, match=r"checkpoint\.break_lock=true") as err:
+        check_run_folder(folder, timeout_s=60)
+    assert "pid 4242 on host node-elsewhere" in str(err.value)
+    assert check_run_folder(folder, timeout_s=20) is not None  # heartbeat older than that
+    with caplog.at_level(logging.WARNING), hold_run_folder(folder, timeout_s=60, break_lock=True):
+        pass
+    assert "checkpoint.break_lock" in caplog.text and "pid 4242" in caplog.text
+
+
+def test_a_restarted_group_takes_over_its_own_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "run-1"
+    _foreign_lock(folder, age_s=1, group="job-7")  # rank 0 moved host on the restart
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    with pytest.raises(RunFolderLockedError):  # a second group with the same rendezvous id
+        check_run_folder(folder, timeout_s=TIMEOUT_S)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with hold_run_folder(folder, timeout_s=TIMEOUT_S) as me:
+        assert read_holder(folder)[0] == me and me.group == "job-7"
+
+
+def test_the_heartbeat_refreshes_the_lock(tmp_path: Path) -> None:
+    folder = tmp_path / "run-1"
+    with hold_run_folder(folder, timeout_s=0.4):  # a heartbeat every 0.1 s
+        os.utime(folder / LOCK_FILE, (0, 0))  # as if last refreshed in 1970
+        deadline = time.monotonic() + 30
+        while read_holder(folder)[1] > 3600 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert read_holder(folder)[1] < 3600
+
+
+def test_continuing_a_run_a_live_writer_holds_is_refused_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    from titan_kedro.pipelines.training.nodes import train_model
+
+    tokens = write_token_dir(tmp_path / "tokens", n_train=4000)
+    checkpoint = tmp_path / "ckpt" / "run-1" / "step-3"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "metadata.json").write_text(json.dumps({"step": 3, "math": {}}))
+    job = tiny_job(tmp_path, tokens, checkpoint={"resume": "latest"})
+    with live_holder(checkpoint.parent) as holder, pytest.raises(RunFolderLockedError) as err:
+        train_model({"vocab_size": 512}, {}, **job)
+    assert f"pid {holder.pid} on host {socket.gethostname()}" in str(err.value)
+    assert not (tmp_path / "job" / "job_config.yaml").exists()
+    assert not (tmp_path / "logs").exists()  # no worker started
+
+
+@pytest.mark.slow
+def test_a_worker_started_by_hand_in_a_held_folder_refuses(tmp_path: Path) -> None:
+    tokens = write_token_dir(tmp_path / "tokens", n_train=4000)
+    folder = tmp_path / "ckpt" / "run-1"
+    job = tiny_job(tmp_path, tokens, checkpoint={"folder": str(folder)})
+    with live_holder(folder) as holder:
+        done = run_worker(job, check=False)
+    assert done.returncode != 0
+    assert f"run folder {folder} is being trained by pid {holder.pid}" in done.stderr
+    assert not (tmp_path / "job" / "metrics.jsonl").exists()
