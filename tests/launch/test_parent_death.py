@@ -20,7 +20,7 @@ import pytest
 from launch.job_processes import is_worker, start_training_node, wait_for_workers
 from train.helpers import REPO, tiny_job, write_token_dir
 
-from titan_kedro.train.parent_death import ORPHANED_EXIT_CODE, guarded_command
+from titan_kedro.train.parent_death import AGENT_PID_ENV, ORPHANED_EXIT_CODE, guarded_command
 
 ENDED_WITHIN_S = 10
 """The issue's bound: torchrun and every worker end this soon after the launcher's death."""
@@ -104,3 +104,12 @@ def test_killing_the_launcher_alone_ends_torchrun_and_every_worker(
     assert not leftovers, f"still running {ENDED_WITHIN_S}s after the launcher died: {leftovers}"
     assert len(trainers) == workers and set(trainers) <= set(gone)
     assert ended_in < ENDED_WITHIN_S
+
+
+def test_a_worker_whose_agent_is_already_gone_ends_at_once(tmp_path: Path) -> None:
+    # Its parent (this test) is not the agent the wrapper named: the agent died before
+    # the worker could set its signal, and it was re-parented.
+    env = {**_env(), "TORCHELASTIC_RUN_ID": "job-1", AGENT_PID_ENV: "1"}
+    worker = [sys.executable, "-m", "titan_kedro.train", "--config", str(tmp_path / "no.yaml")]
+    done = subprocess.run(worker, check=False, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]  # not the missing file

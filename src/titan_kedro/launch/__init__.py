@@ -1,9 +1,11 @@
 """Launch the training job: torchrun on this machine, or one torchrun per node via TorchX.
 
-``launch.scheduler: local`` runs ``torchrun.launch_training``; any TorchX scheduler
-(``local_cwd``, ``slurm``, ``kubernetes``, …) gets the AppDef of ``appdef.build_appdef``,
-submitted and followed by ``scheduler.run_job``. Remote jobs are checked first
-(``preflight``); ``launch.dryrun`` writes the request instead (``dryrun``).
+All launching lives here. ``launch.scheduler: local`` runs ``torchrun.launch_training``;
+any TorchX scheduler (``local_cwd``, ``slurm``, ``kubernetes``, …) gets the AppDef of
+``appdef.build_appdef``, submitted and followed by ``scheduler.run_job``; both follow
+their group with ``supervise``. A run folder that a live run trains into is refused first
+(``train.run_lock``), remote jobs are checked (``preflight``), and ``launch.dryrun``
+writes the request instead (``dryrun``).
 """
 
 from __future__ import annotations

@@ -167,7 +167,7 @@ def start_torchrun(
 ) -> TorchrunGroup:
     """Start one torchrun agent (one node's workers) as a child that ends with this process.
 
-    torchrun is started through ``train.parent_death``'s wrapper: it gets SIGTERM when the
+    torchrun is started through ``train.parent_death``'s wrapper: it gets SIGKILL when the
     calling thread exits, so call this from the thread that follows the group
     (``follow_torchrun``), not a short-lived one.
 

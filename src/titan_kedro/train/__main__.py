@@ -32,22 +32,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
-import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
-from titan_kedro.config import load_raw_config
-from titan_kedro.models.resolve import resolve_job_config
-from titan_kedro.train.device import env_int
-from titan_kedro.train.parent_death import die_with_parent
+from titan_kedro.train.parent_death import end_with_agent
 from titan_kedro.train.run_lock import hold_run_folder
-
-AGENT_ENV = "TORCHELASTIC_RUN_ID"
-"""Set by torchrun's agent in every worker it starts."""
 
 
 def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -75,11 +65,20 @@ def run_folder_held(cfg: Any, rank: int) -> contextlib.AbstractContextManager[An
     )
 
 
-@record
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one worker; returns the process exit code."""
-    if AGENT_ENV in os.environ:  # started by torchrun: end with it, even if it is killed
-        die_with_parent(signal.SIGKILL)
+    end_with_agent()  # before the slow imports below: a worker ends with its torchrun agent
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return int(record(run_worker)(argv))
+
+
+def run_worker(argv: Sequence[str] | None = None) -> int:
+    """Load the job config, hold the run folder (rank 0) and train."""
+    from titan_kedro.config import load_raw_config
+    from titan_kedro.models.resolve import resolve_job_config
+    from titan_kedro.train.device import env_int
+
     rank = env_int("RANK", 0)
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,

@@ -15,7 +15,8 @@ unsafe in a process with threads; TorchX's ``local_cwd`` offers none)::
     python -m titan_kedro.train.parent_death --parent-pid 1234 -- torchrun …
 
 sets the signal on itself, checks that its parent is still process 1234, and ``exec``s the
-command (the signal survives ``exec``).
+command (the signal survives ``exec``), with ``TITAN_KEDRO_AGENT_PID`` set to its pid: the
+workers torchrun starts compare their parent with it when they set their own signal.
 """
 
 from __future__ import annotations
@@ -29,8 +30,17 @@ from collections.abc import Sequence
 
 PR_SET_PDEATHSIG = 1
 """``prctl`` option: the signal this process gets when its parent thread exits."""
-ORPHANED_EXIT_CODE = 128 + signal.SIGTERM
-"""Exit code of a process that found its parent already gone (as if SIGTERM ended it)."""
+ORPHANED_EXIT_CODE = 128 + signal.SIGKILL
+"""Exit code of a wrapper that found its parent already gone (as if its signal ended it)."""
+WRAPPER_SIGNAL = signal.SIGKILL
+"""What the wrapped command (torchrun) gets when the launcher dies: SIGKILL, not SIGTERM,
+since torchrun's graceful shutdown of a multi-agent rendezvous takes over ten seconds and
+there is nobody left to report to; its workers end by their own parent-death signal."""
+WORKER_ENV = "TORCHELASTIC_RUN_ID"
+"""Set by torchrun's agent in every worker it starts."""
+AGENT_PID_ENV = "TITAN_KEDRO_AGENT_PID"
+"""Set by the wrapper to its own pid, which torchrun keeps when it is exec'd: the workers'
+expected parent, so a worker whose agent died before it set its signal notices."""
 
 
 def set_parent_death_signal(sig: int) -> bool:
@@ -71,6 +81,21 @@ def die_with_parent(sig: int, expected_parent: int | None = None) -> bool:
     return armed
 
 
+def end_with_agent() -> bool:
+    """In a worker torchrun started: SIGKILL when its agent dies (at once if it already has).
+
+    Call it first thing in the worker, before slow imports: the agent's pid from the
+    wrapper (``TITAN_KEDRO_AGENT_PID``) tells whether the parent is still the agent.
+
+    Returns:
+        Whether the signal is set (False outside torchrun or off Linux).
+    """
+    if WORKER_ENV not in os.environ:
+        return False
+    agent = os.environ.get(AGENT_PID_ENV)
+    return die_with_parent(signal.SIGKILL, int(agent) if agent else None)
+
+
 def guarded_command(command: Sequence[str], *, python: str = sys.executable) -> list[str]:
     """``command`` run through this module's wrapper, ending when this process does.
 
@@ -87,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``--parent-pid PID -- command …``: die with ``PID``, then become ``command``."""
     parser = argparse.ArgumentParser(
         prog="python -m titan_kedro.train.parent_death",
-        description="Run a command that gets SIGTERM when its parent process exits.",
+        description="Run a command that is killed when its parent process exits.",
     )
     parser.add_argument("--parent-pid", type=int, required=True, help="the expected parent")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- command and arguments")
@@ -102,7 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return ORPHANED_EXIT_CODE
-    die_with_parent(signal.SIGTERM, args.parent_pid)
+    die_with_parent(WRAPPER_SIGNAL, args.parent_pid)
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
     os.execvp(command[0], command)
     return 0  # not reached: exec replaced this process
 
