@@ -165,10 +165,18 @@ def check_run_folder(
 
 @contextlib.contextmanager
 def _folder_mutex(folder: Path) -> Iterator[None]:
-    """Serialise lock changes on this host (``flock`` on the folder itself)."""
+    """Serialise lock changes on this host (``flock`` on the folder itself).
+
+    Best effort: a filesystem that cannot ``flock`` a folder (NFS turns it into a POSIX
+    lock, which needs a writable file) leaves only two starts within the same instant
+    unserialised.
+    """
     fd = os.open(folder, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as err:
+            logger.debug("cannot flock %s (%s): lock changes not serialised", folder, err)
         yield
     finally:
         os.close(fd)
