@@ -161,7 +161,7 @@ def test_a_run_id_whose_folder_links_outside_the_root_is_refused(tmp_path: Path)
     root = tmp_path / "ckpt"
     checkpoint = _fake_checkpoint(root / "r" / "step-1", run_id=RUN_B)
     (root / RUN_B).symlink_to(tmp_path / "elsewhere", target_is_directory=True)
-    with pytest.raises(CheckpointRunIdError, match="outside checkpoint.folder"):
+    with pytest.raises(CheckpointRunIdError, match=r"outside checkpoint\.folder"):
         resolve_resume(root, str(checkpoint))
 
 
@@ -170,7 +170,7 @@ def test_prune_unpublishes_a_step_before_deleting_it(
 ) -> None:
     for step in (2, 4, 6):
         _fake_checkpoint(tmp_path / f"step-{step}", step=step)
-    import titan_kedro.train.checkpoint.publish as publish
+    from titan_kedro.train.checkpoint import publish
 
     real_rmtree = publish.shutil.rmtree
 
