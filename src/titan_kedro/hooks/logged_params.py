@@ -34,7 +34,7 @@ class KeepLoggedParamsHook:
     def __init__(self) -> None:
         self._run_id: str | None = None
 
-    @hook_impl(trylast=True)  # after kedro-mlflow has started the run
+    @hook_impl(trylast=True)  # after kedro-mlflow has started the run (every pipeline run)
     def before_pipeline_run(self, run_params: dict[str, Any], pipeline: Any, catalog: Any) -> None:
         run = mlflow.active_run()
         self._run_id = run.info.run_id if run is not None else None
@@ -70,13 +70,3 @@ class KeepLoggedParamsHook:
         if originals:
             logger.debug("kept the logged values of %s in run %s", sorted(changed), self._run_id)
         return originals
-
-    @hook_impl
-    def after_pipeline_run(self, run_params: dict[str, Any], pipeline: Any, catalog: Any) -> None:
-        self._run_id = None
-
-    @hook_impl
-    def on_pipeline_error(
-        self, error: Exception, run_params: dict[str, Any], pipeline: Any, catalog: Any
-    ) -> None:
-        self._run_id = None
