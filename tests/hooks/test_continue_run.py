@@ -8,9 +8,7 @@ import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
-import mlflow
 import pytest
 from kedro_mlflow.config.kedro_mlflow_config import KedroMlflowConfig
 from mlflow.tracking import MlflowClient
@@ -33,19 +31,15 @@ def _checkpoint(root: Path, run_id: str, step: int, mtime: float) -> Path:
 
 
 @pytest.fixture
-def tracking(tmp_path: Path) -> Any:
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    try:
-        yield MlflowClient()
-    finally:
-        mlflow.set_tracking_uri(None)
+def tracking(tracking_store: str) -> MlflowClient:
+    return MlflowClient(tracking_store)
 
 
 def test_latest_is_resolved_once_and_a_newer_concurrent_save_changes_nothing(
     tmp_path: Path, tracking: MlflowClient
 ) -> None:
     root = tmp_path / "ckpt"
-    experiment = tracking.create_experiment("e")
+    experiment = tracking.create_experiment(f"continue-{tmp_path.name}")
     first = tracking.create_run(experiment).info.run_id
     tracking.log_param(first, "training.steps", "4")
     tracking.log_param(first, "checkpoint.resume", "never")

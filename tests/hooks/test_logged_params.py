@@ -40,17 +40,6 @@ class _Fails:
         raise RuntimeError("a hook failed")
 
 
-@pytest.fixture(scope="module")
-def tracking_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One MLflow store for the module (creating its tables takes seconds)."""
-    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
-    mlflow.set_tracking_uri(uri)
-    try:
-        yield uri
-    finally:
-        mlflow.set_tracking_uri(None)
-
-
 @pytest.fixture
 def continued_run(tracking_store: str) -> Iterator[str]:
     """An active run that already logged the first run's values."""
