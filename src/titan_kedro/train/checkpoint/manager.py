@@ -150,7 +150,12 @@ class CheckpointManager:
         self.last_saved: Path | None = None
 
     def save(self, step: int, extra_metadata: Mapping[str, Any] | None = None) -> Path | None:
-        """Write ``step-{step}`` atomically (collective: every rank calls it)."""
+        """Write ``step-{step}`` atomically (collective: every rank calls it).
+
+        Raises:
+            RankZeroError: On every rank, when rank 0 failed to prepare the folder,
+                publish the save or prune old ones (e.g. a ``PermissionError``).
+        """
         if not self.enable:
             return None
         final = step_dir(self.folder, step)
