@@ -5,16 +5,24 @@ import warnings
 from kedro.config import OmegaConfigLoader
 from omegaconf.resolvers import oc
 
-from titan_kedro.hooks import ValidateJobConfigHook
-from titan_kedro.mlflow_hooks import MlflowRunTagsHook
-from titan_kedro.resume_hook import ContinueRunHook
+from titan_kedro.hooks import (
+    ContinueRunHook,
+    KeepLoggedParamsHook,
+    MlflowRunTagsHook,
+    ValidateJobConfigHook,
+)
 
 # Deprecation noise from Kedro's and kedro-mlflow's own resolver registration; nothing a
 # user of this project can act on.
 warnings.filterwarnings("ignore", message=r"register_new_resolver\(\) is deprecated")
 
 # kedro-mlflow registers its own hooks through its entry point.
-HOOKS = (ValidateJobConfigHook(), ContinueRunHook(), MlflowRunTagsHook())
+HOOKS = (
+    ValidateJobConfigHook(),
+    ContinueRunHook(),
+    KeepLoggedParamsHook(),
+    MlflowRunTagsHook(),
+)
 
 CONFIG_LOADER_CLASS = OmegaConfigLoader
 CONFIG_LOADER_ARGS = {

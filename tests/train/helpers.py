@@ -142,17 +142,26 @@ def step_losses(dump_folder: str | Path) -> dict[int, float]:
 
 
 def _rank_entry(
-    rank: int, world: int, store_path: str, call: tuple[Callable[..., None], tuple], errors: Any
+    rank: int,
+    world: int,
+    store_path: str,
+    call: tuple[Callable[..., None], tuple, float],
+    errors: Any,
 ) -> None:
+    import datetime
     import traceback
 
     import torch.distributed as dist
 
+    check, args, timeout_s = call
     try:
         dist.init_process_group(
-            "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world
+            "gloo",
+            store=dist.FileStore(store_path, world),
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
         )
-        check, args = call
         check(rank, world, *args)
         dist.destroy_process_group()
     except BaseException as err:  # report to the parent, which fails the test
@@ -160,17 +169,27 @@ def _rank_entry(
         raise
 
 
-def run_ranks(check: Callable[..., None], *args: Any, store: Path, world: int = 2) -> None:
+def run_ranks(
+    check: Callable[..., None],
+    *args: Any,
+    store: Path,
+    world: int = 2,
+    collective_timeout_s: float = 1800.0,
+) -> None:
     """Run ``check(rank, world, *args)`` in ``world`` spawned gloo processes; fail on any error.
 
-    ``check`` must be a module-level function (it is pickled into the children).
+    ``check`` must be a module-level function (it is pickled into the children). A
+    collective that waits longer than ``collective_timeout_s`` fails its rank.
     """
     import torch.multiprocessing as mp
 
     errors = mp.get_context("spawn").SimpleQueue()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     procs = mp.spawn(
-        _rank_entry, args=(world, str(store), (check, args), errors), nprocs=world, join=False
+        _rank_entry,
+        args=(world, str(store), (check, args, collective_timeout_s), errors),
+        nprocs=world,
+        join=False,
     )
     try:
         while not procs.join(timeout=120):

@@ -8,15 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_kedro.train.checkpoint import (
-    METADATA,
-    decode_state,
-    encode_state,
-    latest_checkpoint,
-    list_checkpoints,
-    load_model_weights,
-    read_metadata,
-)
+from titan_kedro.train.checkpoint.layout import METADATA, read_checkpoint_metadata
+from titan_kedro.train.checkpoint.manager import decode_state, encode_state
+from titan_kedro.train.checkpoint.resume import latest_checkpoint, list_checkpoints
+from titan_kedro.train.checkpoint.safe_load import load_model_weights
 
 
 def _complete(folder: Path, step: int) -> Path:
@@ -40,7 +35,7 @@ def test_only_complete_step_folders_count(tmp_path: Path) -> None:
 def test_incomplete_checkpoint_is_refused_with_a_hint(tmp_path: Path) -> None:
     (tmp_path / "step-3").mkdir()
     with pytest.raises(FileNotFoundError, match="latest_checkpoint"):
-        read_metadata(tmp_path / "step-3")
+        read_checkpoint_metadata(tmp_path / "step-3")
     with pytest.raises(FileNotFoundError):
         load_model_weights(tmp_path / "step-3", torch.nn.Linear(2, 2))
 

@@ -12,20 +12,31 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from titan_kedro.train.checkpoint import (
-    METADATA,
-    UnsafeCheckpointError,
-    find_checkpoint,
-    latest_checkpoint,
-    load_model_weights,
+from titan_kedro.train.checkpoint.layout import METADATA
+from titan_kedro.train.checkpoint.publish import (
+    prune_checkpoints,
     publish_folder,
     recover_interrupted_publish,
+    sweep_unfinished,
 )
+from titan_kedro.train.checkpoint.resume import (
+    RUN_ID_SHAPE,
+    CheckpointRunIdError,
+    find_checkpoint,
+    latest_checkpoint,
+    list_checkpoints,
+    resolve_resume,
+)
+from titan_kedro.train.checkpoint.safe_load import UnsafeCheckpointError, load_model_weights
 from titan_kedro.train.run_identity import (
     ResumeMismatchError,
     check_resume_compatible,
+    new_run_id,
     plan_run,
 )
+
+RUN_A = "a" * 32
+RUN_B = "b" * 32
 
 
 def _model() -> nn.Module:
@@ -101,24 +112,84 @@ def test_a_crash_between_the_publishing_renames_loses_no_checkpoint(tmp_path: Pa
 
 
 def test_resume_resolves_never_latest_run_id_and_path(tmp_path: Path) -> None:
-    old = _fake_checkpoint(tmp_path / "run-a" / "step-2", run_id="run-a")
-    newer = _fake_checkpoint(tmp_path / "run-b" / "step-6", run_id="run-b")
+    old = _fake_checkpoint(tmp_path / RUN_A / "step-2", run_id=RUN_A)
+    newer = _fake_checkpoint(tmp_path / RUN_B / "step-6", run_id=RUN_B)
     os.utime(old / METADATA, (1, 1))
     assert find_checkpoint(tmp_path, "never") is None
     assert find_checkpoint(tmp_path, "latest") == newer
-    assert find_checkpoint(tmp_path, "run-a") == old
+    assert find_checkpoint(tmp_path, RUN_A) == old
     assert find_checkpoint(tmp_path, str(old)) == old
     with pytest.raises(FileNotFoundError, match="run-c"):
         find_checkpoint(tmp_path, "run-c")
     with pytest.raises(FileNotFoundError, match="no run under"):
         find_checkpoint(tmp_path / "empty", "latest")
+    point = resolve_resume(tmp_path, "latest")
+    assert point is not None and (point.checkpoint, point.run_id) == (newer, RUN_B)
+    assert resolve_resume(tmp_path, "never") is None
 
-    new_plan = plan_run(tmp_path, "never", "mlflow-run")
-    assert (new_plan.run_id, new_plan.resume_from) == ("mlflow-run", None)
-    assert new_plan.checkpoint_dir == tmp_path / "mlflow-run"
-    assert len(plan_run(tmp_path, "never", None).run_id) == 32  # generated without MLflow
-    continued = plan_run(tmp_path, "run-a", "ignored")
-    assert (continued.run_id, continued.resume_from) == ("run-a", old)
+    new_plan = plan_run(tmp_path, "never", "c" * 32)
+    assert (new_plan.run_id, new_plan.resume_from) == ("c" * 32, None)
+    assert new_plan.checkpoint_dir == tmp_path / ("c" * 32)
+    assert RUN_ID_SHAPE.match(plan_run(tmp_path, "never", None).run_id)  # generated
+    continued = plan_run(tmp_path, RUN_A, "ignored")
+    assert (continued.run_id, continued.resume_from) == (RUN_A, old)
+    # A checkpoint that records no run (a worker started by hand) continues as a new run.
+    bare = _fake_checkpoint(tmp_path / "by-hand" / "step-1")
+    assert plan_run(tmp_path, str(bare), "d" * 32).run_id == "d" * 32
+
+
+def test_generated_run_ids_have_the_accepted_shape() -> None:
+    assert all(RUN_ID_SHAPE.match(new_run_id()) for _ in range(20))
+
+
+@pytest.mark.parametrize("bad", ["../..", "/tmp/x", "..", "A" * 32, "a" * 31, 12])
+def test_a_run_id_that_is_no_run_id_is_refused_before_any_path_use(
+    tmp_path: Path, bad: object
+) -> None:
+    root = tmp_path / "ckpt"
+    checkpoint = _fake_checkpoint(root / RUN_A / "step-4", run_id=bad)
+    for resume in ("latest", RUN_A, str(checkpoint)):
+        with pytest.raises(CheckpointRunIdError) as err:
+            plan_run(root, resume, None)
+        message = str(err.value)
+        assert str(checkpoint / METADATA) in message and "checkpoint.folder" in message
+        assert repr(bad) in message
+    assert sorted(p.name for p in root.iterdir()) == [RUN_A]  # nothing created elsewhere
+
+
+def test_a_run_id_whose_folder_links_outside_the_root_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    checkpoint = _fake_checkpoint(root / "r" / "step-1", run_id=RUN_B)
+    (root / RUN_B).symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    with pytest.raises(CheckpointRunIdError, match=r"outside checkpoint\.folder"):
+        resolve_resume(root, str(checkpoint))
+
+
+def test_prune_unpublishes_a_step_before_deleting_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for step in (2, 4, 6):
+        _fake_checkpoint(tmp_path / f"step-{step}", step=step)
+    from titan_kedro.train.checkpoint import publish
+
+    real_rmtree = publish.shutil.rmtree
+
+    def dies_halfway(path: Path, *args: object, **kwargs: object) -> None:
+        (Path(path) / "shard.distcp").unlink(missing_ok=True)  # some files went, then:
+        raise PermissionError(13, "injected: Permission denied", str(path))
+
+    (tmp_path / "step-2" / "shard.distcp").write_bytes(b"x")
+    monkeypatch.setattr(publish.shutil, "rmtree", dies_halfway)
+    with pytest.raises(PermissionError, match="injected"):
+        prune_checkpoints(tmp_path, keep_latest_k=2)
+    # The half-deleted step no longer counts: resuming can never pick it.
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 6]
+    assert (tmp_path / "step-2.deleting" / METADATA).is_file()
+    monkeypatch.setattr(publish.shutil, "rmtree", real_rmtree)
+    assert sweep_unfinished(tmp_path) == [tmp_path / "step-2.deleting"]
+    _fake_checkpoint(tmp_path / "step-8", step=8)
+    assert prune_checkpoints(tmp_path, keep_latest_k=2) == [tmp_path / "step-4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-6", "step-8"]
 
 
 def test_maths_changes_are_refused_listing_the_keys(tmp_path: Path) -> None:

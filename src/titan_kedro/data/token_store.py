@@ -59,8 +59,8 @@ def open_split(token_dir: str | Path, split: str) -> np.ndarray:
     return open_tokens(path)
 
 
-def read_metadata(token_dir: str | Path) -> dict[str, Any]:
-    """The ``metadata.json`` of a token folder."""
+def read_token_metadata(token_dir: str | Path) -> dict[str, Any]:
+    """The ``metadata.json`` of a token folder (not a checkpoint's: ``read_checkpoint_metadata``)."""
     path = Path(token_dir) / METADATA_FILE
     if not path.is_file():
         raise FileNotFoundError(

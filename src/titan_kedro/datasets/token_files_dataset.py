@@ -14,7 +14,7 @@ from titan_kedro.data.token_store import (
     METADATA_FILE,
     TokenFileWriter,
     open_tokens,
-    read_metadata,
+    read_token_metadata,
     split_path,
     write_json_atomic,
 )
@@ -53,7 +53,7 @@ class TokenFilesDataset(AbstractDataset[Mapping[str, Any], dict[str, Any]]):
 
     def load(self) -> dict[str, Any]:
         try:
-            meta = read_metadata(self._path)
+            meta = read_token_metadata(self._path)
         except FileNotFoundError as err:
             raise DatasetError(str(err)) from err
         loaded: dict[str, Any] = {"metadata": meta}

@@ -1,9 +1,12 @@
 """Run identity: every ``kedro run`` is a new run; continuing one is explicit.
 
-A run's id is its MLflow run id (a generated hex id without MLflow). Its checkpoints live
-in ``checkpoint.folder/<run id>/step-<n>``. ``checkpoint.resume`` picks what to continue
-(``never``, ``latest``, a run id or a checkpoint path); continuing keeps the checkpoint's
-run id, so metrics go on in the same MLflow run and checkpoints in the same folder.
+A run's id is its MLflow run id (a generated hex id of the same shape without MLflow).
+Its checkpoints live in ``checkpoint.folder/<run id>/step-<n>``. ``checkpoint.resume``
+picks what to continue (``never``, ``latest``, a run id or a checkpoint path), resolved
+once by ``checkpoint.resume.resolve_resume`` (under ``kedro run``, by the hook that
+reopens the MLflow run, which hands the node the concrete path); continuing keeps the
+checkpoint's run id, so metrics go on in the same MLflow run and checkpoints in the same
+folder.
 
 A checkpoint's ``metadata.json`` records the settings that change the maths
 (``math_settings``); continuing with any of them changed is refused, listing the keys.
@@ -21,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from titan_kedro.data.token_store import token_fingerprints
-from titan_kedro.train.checkpoint import find_checkpoint, read_metadata
+from titan_kedro.train.checkpoint.layout import read_checkpoint_metadata
+from titan_kedro.train.checkpoint.resume import RUN_ID_KEY, resolve_resume
 
 MATH_KEY = "math"
 SCHEDULE_KEY = "schedule"
-RUN_ID_KEY = "run_id"
 
 logger = logging.getLogger(__name__)
 
@@ -47,32 +50,29 @@ class RunPlan:
 
 
 def new_run_id() -> str:
-    """A fresh run id for a run without MLflow (32 hex digits, like MLflow's)."""
+    """A fresh run id for a run without MLflow (32 hex digits, like MLflow's:
+    ``checkpoint.resume.RUN_ID_SHAPE``)."""
     return uuid.uuid4().hex
-
-
-def checkpoint_run_id(checkpoint: str | Path) -> str:
-    """The run a checkpoint belongs to: its metadata's ``run_id``, else its folder's name."""
-    return str(read_metadata(checkpoint).get(RUN_ID_KEY) or Path(checkpoint).parent.name)
 
 
 def plan_run(root: str | Path, resume: str, active_run_id: str | None) -> RunPlan:
     """Resolve ``checkpoint.resume`` against the checkpoint root into a ``RunPlan``.
 
+    A checkpoint that records no run id (a worker started by hand) is continued as a new
+    run: the active MLflow run's id, or a generated one.
+
     Args:
         root: ``checkpoint.folder``.
-        resume: ``checkpoint.resume``.
+        resume: ``checkpoint.resume`` (a concrete path when the hook resolved it).
         active_run_id: The active MLflow run (None without MLflow).
 
     Raises:
         FileNotFoundError: ``resume`` names no checkpoint.
+        CheckpointRunIdError: The checkpoint's recorded run id is unsafe to use.
     """
-    checkpoint = find_checkpoint(root, resume)
-    if checkpoint is None:
-        run_id = active_run_id or new_run_id()
-    else:
-        run_id = checkpoint_run_id(checkpoint)
-    return RunPlan(run_id, Path(root) / run_id, checkpoint)
+    point = resolve_resume(root, resume)
+    run_id = (point.run_id if point else None) or active_run_id or new_run_id()
+    return RunPlan(run_id, Path(root) / run_id, point.checkpoint if point else None)
 
 
 def math_settings(cfg: Any, token_metadata: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -118,7 +118,7 @@ def check_resume_compatible(checkpoint: str | Path, current: Mapping[str, Any]) 
     Raises:
         ResumeMismatchError: Lists every differing key with both values.
     """
-    saved = read_metadata(checkpoint).get(MATH_KEY) or {}
+    saved = read_checkpoint_metadata(checkpoint).get(MATH_KEY) or {}
     diff = differences(saved, current)
     if diff:
         listed = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
@@ -130,7 +130,8 @@ def check_resume_compatible(checkpoint: str | Path, current: Mapping[str, Any]) 
 
 def schedule_changes(checkpoint: str | Path, cfg: Any) -> dict[str, tuple[Any, Any]]:
     """Allowed changes (steps, learning rate) between ``checkpoint`` and ``cfg``."""
-    return differences(read_metadata(checkpoint).get(SCHEDULE_KEY) or {}, schedule_settings(cfg))
+    saved = read_checkpoint_metadata(checkpoint).get(SCHEDULE_KEY) or {}
+    return differences(saved, schedule_settings(cfg))
 
 
 def describe_changes(changes: Mapping[str, tuple[Any, Any]]) -> str:

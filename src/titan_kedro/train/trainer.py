@@ -23,11 +23,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titan_kedro.data.token_store import read_metadata
+from titan_kedro.data.token_store import read_token_metadata
 from titan_kedro.models.parallel import autocast_dtype, training_dtypes
 from titan_kedro.models.resolve import ResolvedJob
 from titan_kedro.tracking.mlflow_logger import MlflowMetricsSink
-from titan_kedro.train.checkpoint import CheckpointManager, ModelState, rng_state, set_rng_state
+from titan_kedro.train.checkpoint.manager import (
+    CheckpointManager,
+    ModelState,
+    rng_state,
+    set_rng_state,
+)
 from titan_kedro.train.device import env_int, init_process_group, resolve_device, set_cpu_threads
 from titan_kedro.train.documents import document_inputs, masking_bos_id
 from titan_kedro.train.faults import maybe_crash
@@ -123,7 +128,7 @@ class Trainer:
         self.loss_fn = self.spec.build_loss_fn(cfg)
         self.fused_loss = uses_fused_loss(cfg, self.spec, model)
         try:
-            tokens_meta = read_metadata(cfg.data.token_dir)
+            tokens_meta = read_token_metadata(cfg.data.token_dir)
         except FileNotFoundError:  # token files written by hand: no fingerprints, no BOS
             tokens_meta = {}
         self.document_bos = masking_bos_id(cfg, model, tokens_meta)

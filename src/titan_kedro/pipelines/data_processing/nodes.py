@@ -16,7 +16,7 @@ from titan_kedro.data.shard_store import ShardStore
 from titan_kedro.data.shard_tokenizing import tokenize_sources
 from titan_kedro.data.sources import DocumentSource, ShardFile, is_shard_name, select_sources
 from titan_kedro.data.splitting import SPLITS
-from titan_kedro.data.token_store import read_metadata
+from titan_kedro.data.token_store import read_token_metadata
 from titan_kedro.data.tokenizer import build_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ def save_token_metadata(token_files: Mapping[str, Any], data: Mapping[str, Any])
     for split in SPLITS:
         _check_stream(split, token_files[split], meta)
     try:
-        at_token_dir = read_metadata(cfg.token_dir).get("fingerprint")
+        at_token_dir = read_token_metadata(cfg.token_dir).get("fingerprint")
     except FileNotFoundError:
         at_token_dir = None
     if at_token_dir != meta["fingerprint"]:

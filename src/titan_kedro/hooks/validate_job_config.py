@@ -1,4 +1,4 @@
-"""Project hooks."""
+"""Kedro hook that validates the parameters as a typed job config before anything runs."""
 
 from __future__ import annotations
 

@@ -21,7 +21,6 @@ pipeline (``mlflow.yml``), no run is active and the hook does nothing.
 from __future__ import annotations
 
 import logging
-import re
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,12 +31,11 @@ import yaml
 from kedro.framework.hooks import hook_impl
 from mlflow.entities import Param
 from mlflow.tracking import MlflowClient
-from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
 
-from titan_kedro.config.load import flatten
 from titan_kedro.data.token_store import token_fingerprints
 from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.tracking.lineage import log_lineage
+from titan_kedro.tracking.mlflow_params import loggable_params
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +47,6 @@ DATASET_ARTIFACTS: Mapping[str, str] = {
 """Catalog dataset → artifact path, logged the first time the dataset is saved or loaded."""
 
 _PARAM_BATCH = 100
-_INVALID_PARAM_CHARS = re.compile(r"[^/\w.\- :]")
 
 
 def git_revision(*folders: Path) -> tuple[str, bool] | None:
@@ -84,19 +81,6 @@ def git_revision(*folders: Path) -> tuple[str, bool] | None:
 def fingerprint_tags(metadata: Mapping[str, Any]) -> dict[str, str]:
     """Tokenizer and data fingerprints from the data stage's ``metadata.json``, as tags."""
     return {key: str(value) for key, value in token_fingerprints(metadata).items()}
-
-
-def loggable_params(params: Mapping[str, Any]) -> dict[str, str]:
-    """Flatten parameters to ``section.key`` strings the way kedro-mlflow logs them.
-
-    Values are rendered with ``str`` and cut to MLflow's length limit, so a key that
-    kedro-mlflow also logs gets the identical value (MLflow refuses changed values).
-    """
-    out = {}
-    for key, value in flatten(params).items():
-        name = _INVALID_PARAM_CHARS.sub("_", key)
-        out[name] = str(value)[:MAX_PARAM_VAL_LENGTH]
-    return out
 
 
 class MlflowRunTagsHook:

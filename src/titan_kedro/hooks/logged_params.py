@@ -1,0 +1,72 @@
+"""Kedro hook that lets kedro-mlflow log node parameters into a run that holds older values.
+
+kedro-mlflow logs every ``params:`` input of a node into the active run in its
+``before_node_run``, and MLflow refuses a param logged again with another value. A
+continued run may change ``training.steps``, the learning rate and ``checkpoint.resume``
+itself. This hook wraps the other ``before_node_run`` hooks (a pluggy wrapper, so nothing
+of kedro-mlflow is patched): while they run, the node's inputs lack the params the run
+already holds with another value, so the run keeps its first values (``ContinueRunHook``
+records the changes in a tag). The inputs are put back before the node runs, on every
+path, so the node itself sees every value as given.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator, Mapping
+from typing import Any
+
+import mlflow
+from kedro.framework.hooks import hook_impl
+from mlflow.tracking import MlflowClient
+
+from titan_kedro.tracking.mlflow_params import loggable_params, param_name, without_params
+from titan_kedro.train.run_identity import differences
+
+logger = logging.getLogger(__name__)
+
+PARAMS_PREFIX = "params:"
+
+
+class KeepLoggedParamsHook:
+    """Hides params the active run already holds with another value from param loggers."""
+
+    def __init__(self) -> None:
+        self._run_id: str | None = None
+
+    @hook_impl(trylast=True)  # after kedro-mlflow has started the run (every pipeline run)
+    def before_pipeline_run(self, run_params: dict[str, Any], pipeline: Any, catalog: Any) -> None:
+        run = mlflow.active_run()
+        self._run_id = run.info.run_id if run is not None else None
+
+    @hook_impl(wrapper=True)
+    def before_node_run(self, inputs: dict[str, Any]) -> Generator[None, Any, Any]:
+        hidden = self._hide_changed_params(inputs)
+        try:
+            return (yield)
+        finally:
+            inputs.update(hidden)
+
+    def _hide_changed_params(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Remove changed params from ``inputs`` in place; returns the originals replaced."""
+        params = {
+            key.removeprefix(PARAMS_PREFIX): value
+            for key, value in inputs.items()
+            if key.startswith(PARAMS_PREFIX)
+        }
+        if self._run_id is None or not params:
+            return {}
+        logged = MlflowClient().get_run(self._run_id).data.params
+        changed = differences(logged, loggable_params(params)).keys()
+        originals: dict[str, Any] = {}
+        for name, value in params.items():
+            key = PARAMS_PREFIX + name
+            if isinstance(value, Mapping) and value:
+                kept = without_params(value, changed, name + ".")
+                if kept != value:
+                    originals[key], inputs[key] = value, kept
+            elif param_name(name) in changed:
+                originals[key] = inputs.pop(key)
+        if originals:
+            logger.debug("kept the logged values of %s in run %s", sorted(changed), self._run_id)
+        return originals

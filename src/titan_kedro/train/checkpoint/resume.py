@@ -1,0 +1,161 @@
+"""Finding checkpoints, and the one resolution of ``checkpoint.resume``.
+
+``resolve_resume(root, resume)`` turns ``never | latest | <run id> | <path>`` into a
+``ResumePoint``: a concrete ``step-<n>`` folder and the run id its ``metadata.json``
+records (checked: 32 hex digits, a folder inside ``checkpoint.folder``). Whoever first
+sees the symbolic value resolves it and hands the concrete path on: under ``kedro run``
+the hook ``hooks.continue_run.ContinueRunHook`` (before the MLflow run opens), which the
+training node and the workers then receive as a path; a worker started by hand resolves it
+itself. A concrete path resolves to itself, so ``latest`` is never looked up twice.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from titan_kedro.train.checkpoint.layout import (
+    METADATA,
+    STEP_DIR,
+    is_checkpoint,
+    read_checkpoint_metadata,
+)
+
+RUN_ID_KEY = "run_id"
+"""The key of a checkpoint's ``metadata.json`` that names its run."""
+RUN_ID_SHAPE = re.compile(r"^[0-9a-f]{32}$")
+"""An MLflow run id, and the ids ``run_identity.new_run_id`` generates without MLflow."""
+
+
+class CheckpointRunIdError(ValueError):
+    """A checkpoint's ``metadata.json`` names a run id that is no run id (a path, say)."""
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """What ``checkpoint.resume`` resolved to."""
+
+    checkpoint: Path
+    """The complete ``step-<n>`` folder to continue from."""
+    run_id: str | None
+    """The run it belongs to (checked), or None when its metadata records none (a worker
+    started by hand without ``job.run_id``)."""
+
+
+def list_checkpoints(folder: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``folder`` as ``(step, path)``, oldest first."""
+    root = Path(folder)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = STEP_DIR.match(child.name)
+        if match and is_checkpoint(child):
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(folder: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``folder`` (None if there is none)."""
+    found = list_checkpoints(folder)
+    return found[-1][1] if found else None
+
+
+def find_checkpoint(root: str | Path, resume: str) -> Path | None:
+    """The checkpoint ``checkpoint.resume`` names under the checkpoint root ``root``.
+
+    Args:
+        root: ``checkpoint.folder``: run folders ``<run id>/step-<n>`` (or ``step-<n>``
+            folders directly, for a worker started by hand).
+        resume: ``never``; ``latest`` (the newest checkpoint of the most recently saved
+            run); a run id (a folder under ``root``); or a checkpoint (or run) folder.
+
+    Raises:
+        FileNotFoundError: ``resume`` names nothing that holds a complete checkpoint.
+    """
+    root = Path(root)
+    if resume in ("never", ""):
+        return None
+    if resume == "latest":
+        own = latest_checkpoint(root)
+        if own is not None:
+            return own
+        runs = [c for c in (latest_checkpoint(d) for d in _subdirs(root)) if c is not None]
+        if not runs:
+            raise FileNotFoundError(
+                f"checkpoint.resume=latest: no run under '{root}' has a complete checkpoint; "
+                "start a new run (checkpoint.resume=never) or point checkpoint.folder at the "
+                "root the earlier run used"
+            )
+        return max(runs, key=lambda c: (c / METADATA).stat().st_mtime)
+    for candidate in (root / resume, Path(resume)):
+        if (candidate / METADATA).is_file():
+            return candidate
+        if candidate.is_dir():
+            found = latest_checkpoint(candidate)
+            if found is not None:
+                return found
+    raise FileNotFoundError(
+        f"checkpoint.resume={resume!r} is neither a run id with a checkpoint under '{root}' nor "
+        f"a checkpoint folder; use never, latest, a folder name under '{root}' or a "
+        "step-<n> path"
+    )
+
+
+def _subdirs(root: Path) -> list[Path]:
+    return [d for d in root.iterdir() if d.is_dir()] if root.is_dir() else []
+
+
+def checkpoint_run_id(checkpoint: str | Path, root: str | Path) -> str | None:
+    """The run id a checkpoint's ``metadata.json`` records, checked before any path use.
+
+    Args:
+        checkpoint: A complete ``step-<n>`` folder.
+        root: ``checkpoint.folder``, which the run's folder ``root/<run id>`` must stay in.
+
+    Returns:
+        The run id, or None when the metadata records none.
+
+    Raises:
+        CheckpointRunIdError: The recorded ``run_id`` is not 32 hex digits, or would
+            resolve outside ``root`` (e.g. ``../..`` or ``/tmp/x``).
+    """
+    value = read_checkpoint_metadata(checkpoint).get(RUN_ID_KEY)
+    if value is None:
+        return None
+    where = Path(checkpoint) / METADATA
+    root_path = Path(root).resolve()
+    if not isinstance(value, str) or not RUN_ID_SHAPE.match(value):
+        raise CheckpointRunIdError(
+            f"{where}: run_id {value!r} is not a run id (32 lowercase hex digits, an MLflow "
+            "run id or one titan_kedro generated), so it cannot name a folder under "
+            f"checkpoint.folder '{root}'. This checkpoint was edited or not written by "
+            "titan_kedro: set checkpoint.resume to another checkpoint, or restore its run_id"
+        )
+    if not (root_path / value).resolve().is_relative_to(root_path):
+        raise CheckpointRunIdError(
+            f"{where}: run_id {value!r} resolves outside checkpoint.folder '{root}' (a "
+            "symbolic link?); set checkpoint.resume to another checkpoint"
+        )
+    return value
+
+
+def resolve_resume(root: str | Path, resume: str) -> ResumePoint | None:
+    """Resolve ``checkpoint.resume`` once into a concrete checkpoint and its run id.
+
+    Args:
+        root: ``checkpoint.folder``.
+        resume: ``checkpoint.resume`` (see ``find_checkpoint``).
+
+    Returns:
+        None for ``never``.
+
+    Raises:
+        FileNotFoundError: ``resume`` names no complete checkpoint.
+        CheckpointRunIdError: The checkpoint's recorded run id is unsafe to use.
+    """
+    checkpoint = find_checkpoint(root, resume)
+    if checkpoint is None:
+        return None
+    return ResumePoint(checkpoint, checkpoint_run_id(checkpoint, root))

@@ -1,0 +1,19 @@
+"""One MLflow store for the hook tests (creating its tables takes seconds)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import mlflow
+import pytest
+
+
+@pytest.fixture(scope="package")
+def tracking_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A SQLite tracking URI, set as MLflow's while the hook tests run."""
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield uri
+    finally:
+        mlflow.set_tracking_uri(None)
