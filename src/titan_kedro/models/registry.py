@@ -19,18 +19,7 @@ import traceback
 from collections.abc import Mapping
 from pathlib import Path
 
-from titan_kedro.models.spec import StateDictAdapter, TrainSpec
-
-__all__ = [
-    "BUILTIN_SPECS",
-    "StateDictAdapter",
-    "TrainSpec",
-    "get_train_spec",
-    "import_custom_model",
-    "list_train_specs",
-    "register_train_spec",
-    "unregister_train_spec",
-]
+from titan_kedro.models.spec import TrainSpec
 
 BUILTIN_SPECS: Mapping[str, str] = {
     "deepseek_v2": "titan_kedro.models.deepseek_v2:DEEPSEEK_V2_SPEC",
