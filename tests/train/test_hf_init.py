@@ -205,35 +205,49 @@ def test_each_rank_reads_only_its_shards(tmp_path: Path) -> None:
     raw_file = tmp_path / "job.json"
     raw_file.write_text(json.dumps(_job(tmp_path / "run", token_dir, folder)), encoding="utf-8")
     exported, stored = model.state_dict(), _weights_bytes(folder)
-    for rank in (0, 1):
-        code = (
-            "import json, sys; from tests.train.test_hf_init import read_as_rank; "
-            f"print(json.dumps(read_as_rank({str(raw_file)!r}, {str(folder)!r}, {rank})))"
-        )
-        proc = subprocess.run(
-            [sys.executable, "-c", code],
+    ranks = [  # both ranks at once, each in its own process
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import json, sys; from tests.train.test_hf_init import read_as_rank; "
+                f"print(json.dumps(read_as_rank({str(raw_file)!r}, {str(folder)!r}, {rank})))",
+            ],
             cwd=REPO,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=300,
-            check=False,
         )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-        loaded = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
-        # In this layout (2 ranks, EP 2, dp_shard 2) every sharded weight is split on dim 0
-        # in two contiguous halves: FSDP's row chunks, and the routed experts' EP halves.
-        for key in result["sharded"]:
-            assert torch.equal(loaded[key], exported[key].chunk(2, dim=0)[rank]), (rank, key)
-        # The rest is the routing bias, which Hugging Face has not: zeros, nothing read.
-        assert set(loaded) - set(result["sharded"]) == {
-            "layers.1.moe.expert_bias",
-            "layers.2.moe.expert_bias",
-        }
-        own = sum(loaded[key].numel() * loaded[key].element_size() for key in result["sharded"])
-        assert result["bytes"] == own, (rank, result["bytes"], own)  # nothing outside its shards
-        assert 0.45 * stored < own < 0.55 * stored, (own, stored)
-        assert result["opened"] == result["closed"] == 1
+        for rank in (0, 1)
+    ]
+    try:
+        for rank, proc in enumerate(ranks):
+            stdout, stderr = proc.communicate(timeout=300)
+            assert proc.returncode == 0, stderr[-3000:]
+            result = json.loads(stdout.strip().splitlines()[-1])
+            loaded = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+            # In this layout (2 ranks, EP 2, dp_shard 2) every sharded weight is split on dim 0
+            # in two contiguous halves: FSDP's row chunks, and the routed experts' EP halves.
+            for key in result["sharded"]:
+                assert torch.equal(loaded[key], exported[key].chunk(2, dim=0)[rank]), (rank, key)
+            # The rest is the routing bias, which Hugging Face has not: zeros, nothing read.
+            assert set(loaded) - set(result["sharded"]) == {
+                "layers.1.moe.expert_bias",
+                "layers.2.moe.expert_bias",
+            }
+            own = sum(loaded[key].numel() * loaded[key].element_size() for key in result["sharded"])
+            assert result["bytes"] == own, (
+                rank,
+                result["bytes"],
+                own,
+            )  # nothing outside its shards
+            assert 0.45 * stored < own < 0.55 * stored, (own, stored)
+            assert result["opened"] == result["closed"] == 1
+    finally:
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_indices_of_a_tensor_sharded_on_two_dims_need_no_whole_tensor() -> None:
