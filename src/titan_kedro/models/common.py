@@ -286,6 +286,15 @@ def document_positions(tokens: torch.Tensor, bos_id: int) -> tuple[torch.Tensor,
     return index - start_of_doc, document_ids
 
 
+def rotary_for(freqs_cis: torch.Tensor, positions: torch.Tensor | None, seq: int) -> torch.Tensor:
+    """The rotations a model applies: ``freqs_cis[:seq]``, or per token ``freqs_cis[positions]``."""
+    if positions is None:
+        return freqs_cis
+    if positions.shape[1] != seq:
+        raise ValueError(f"positions {tuple(positions.shape)} do not match {seq} tokens per row")
+    return freqs_cis[positions]
+
+
 AttentionMask = Any
 """``None`` (plain causal), a bool ``[batch, 1, q, kv]`` tensor (True = may attend), or a
 FlexAttention ``BlockMask``."""
@@ -345,7 +354,7 @@ def rotations_and_mask(
             raise ValueError(
                 f"{name} {tuple(value.shape)} must have the shape of tokens {tuple(tokens.shape)}"
             )
-    rotations = freqs_cis if positions is None else freqs_cis[positions]
+    rotations = rotary_for(freqs_cis, positions, tokens.shape[1])
     return rotations, None if document_ids is None else document_mask(document_ids)
 
 
