@@ -44,7 +44,7 @@ class JobConfigWithThrowaway(JobConfig):
 def test_a_dead_field_named_name_fails_the_check() -> None:
     with recording() as reads:
         cfg = resolve_job_config({"model": {"name": "llama3"}}).config
-        print(cfg.job.name, cfg.model.name)
+        assert (cfg.job.name, cfg.model.name) == ("titan-kedro", "llama3")
     assert "throwaway.name" in unread_fields(reads, JobConfigWithThrowaway)
     assert {"job.name", "model.name"}.isdisjoint(unread_fields(reads, JobConfigWithThrowaway))
     # Matching `.name` in the sources, as this check once did, would have passed it.
