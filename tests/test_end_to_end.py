@@ -25,8 +25,17 @@ from conftest import SHARED_SAMPLE, write_c4_shard
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
+from tests.config.field_reads import (
+    branch_reads,
+    config_fields,
+    read_recorded,
+    recording_env,
+    unread_fields,
+)
+
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "s3cr3t-e2e-7f3a9c"
+CONFIG_READS = "config_reads"
 DATA_LAYERS = (
     "01_raw/c4", "02_intermediate", "03_primary", "04_feature", "05_model_input",
     "06_models", "07_model_output", "08_reporting",
@@ -115,7 +124,9 @@ def e2e(tmp_path_factory: pytest.TempPathFactory) -> E2ERun:
     add_mlflow_secret(project)
     uri = f"sqlite:///{project / 'mlflow.db'}"
     start = time.perf_counter()
-    proc = kedro_run(project)
+    # Every process of the run (kedro, torchrun, the workers) records the config fields
+    # it reads into config_reads/ (test_every_config_field_is_read_by_the_run).
+    proc = kedro_run(project, extra_env=recording_env(project / CONFIG_READS))
     wall = time.perf_counter() - start
     print(f"\nkedro run --env test: {wall:.1f}s wall")
     assert proc.returncode == 0, f"kedro run failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
@@ -278,6 +289,24 @@ def test_a_failed_training_marks_the_mlflow_run_failed(
     runs = client.search_runs([client.get_experiment_by_name("titan_kedro").experiment_id])
     assert [r.info.status for r in runs] == ["FAILED"]
     assert runs[0].data.tags["model.spec"] == "deepseek_v2"  # our hook ran before the failure
+
+
+@pytest.mark.slow
+def test_every_config_field_is_read_by_the_run(e2e: E2ERun, tmp_path: Path) -> None:
+    """A field nothing reads in a real run of every pipeline and the workers is dead.
+
+    Fields that only a Slurm dry run of a GPU job or a hub data source read come from
+    ``branch_reads``, which runs those branches of the library for real.
+    """
+    recorded = e2e.project / CONFIG_READS
+    processes = [json.loads(path.read_text()) for path in recorded.glob("reads-*.json")]
+    # Only the workers clip gradients: both recorded their reads, as did the kedro process.
+    fields = config_fields()
+    readers = [[fields.get(tuple(read)) for read in reads] for reads in processes]
+    assert sum("training.max_norm" in paths for paths in readers) == 2, readers
+    assert any("export.alias" in paths for paths in readers)  # the export node, in kedro run
+    unread = unread_fields(read_recorded(recorded) | branch_reads(tmp_path))
+    assert unread == [], "config fields nothing reads (remove them or make them take effect)"
 
 
 # Runs before the `rerun` fixture: later runs register new versions and move the alias.

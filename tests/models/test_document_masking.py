@@ -7,7 +7,12 @@ import torch
 
 from tests.models.test_deepseek_v2 import TINY
 from titan_kedro.models import get_train_spec
-from titan_kedro.models.common import attention, document_mask, document_positions
+from titan_kedro.models.common import (
+    attention,
+    document_mask,
+    document_positions,
+    rotations_and_mask,
+)
 
 BOS = 1
 
@@ -70,3 +75,17 @@ def test_flex_block_mask_matches_the_dense_mask() -> None:
     dense = attention(q, k, v, document_mask(ids, flex=False), scale=0.3)
     flex = attention(q, k, v, document_mask(ids, flex=True), scale=0.3)
     torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-5)
+
+
+def test_rotations_and_mask_follow_the_documents_and_check_shapes() -> None:
+    tokens = torch.tensor([[7, BOS, 5, 6], [BOS, 3, BOS, 2]])
+    positions, ids = document_positions(tokens, BOS)
+    table = torch.polar(torch.ones(16, 2), torch.arange(32.0).view(16, 2))
+    rotations, mask = rotations_and_mask(table, tokens, positions, ids)
+    assert torch.equal(rotations[0, 2], table[1])  # the second token of row 0's second document
+    assert torch.equal(mask, document_mask(ids, flex=False))
+    assert rotations_and_mask(table, tokens) == (table, None)
+    with pytest.raises(ValueError, match=r"document_ids \(2, 3\) must have the shape of tokens"):
+        rotations_and_mask(table, tokens, positions, ids[:, :3])
+    with pytest.raises(ValueError, match=r"positions \(1, 4\) must have the shape of tokens"):
+        rotations_and_mask(table, tokens, positions[:1], ids)

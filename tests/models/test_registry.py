@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -30,7 +31,6 @@ USER_MODULE_PREFIX = "user_models_"
 @pytest.fixture(autouse=True)
 def _restore_registry() -> Iterator[None]:
     """Undo every registration and custom-module import a test makes."""
-    list_train_specs()  # import the built-in specs first, so they survive the restore
     before = dict(registry_module._REGISTRY)
     modules = set(sys.modules)
     yield
@@ -65,6 +65,41 @@ def test_builtin_specs_are_registered() -> None:
     assert get_train_spec("llama3") is LLAMA3_SPEC
     assert LLAMA3_SPEC.model_cls is Llama3Model
     assert set(LLAMA3_SPEC.flavors) == {"debugmodel", "8B"}
+    for name in registry_module.BUILTIN_SPECS:
+        assert get_train_spec(name).name == name
+
+
+def test_builtin_packages_are_imported_on_their_first_lookup_only() -> None:
+    script = """
+import sys
+from titan_kedro.models import get_train_spec, list_train_specs
+packages = ("titan_kedro.models.llama3", "titan_kedro.models.deepseek_v2")
+assert {"llama3", "deepseek_v2"} <= set(list_train_specs())
+assert not [p for p in packages if p in sys.modules], sorted(sys.modules)
+get_train_spec("llama3")
+assert "titan_kedro.models.llama3" in sys.modules
+assert "titan_kedro.models.deepseek_v2" not in sys.modules
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_builtin_name_is_taken_before_its_first_lookup() -> None:
+    registry_module._REGISTRY.pop("llama3", None)
+    with pytest.raises(ValueError, match="'llama3' is already registered"):
+        register_train_spec(_spec("llama3"))
+    assert get_train_spec("llama3") is LLAMA3_SPEC
+
+
+def test_a_builtin_entry_that_names_no_train_spec_fails_clearly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    table = {**registry_module.BUILTIN_SPECS, "broken": "titan_kedro.models.llama3:Llama3Args"}
+    monkeypatch.setattr(registry_module, "BUILTIN_SPECS", table)
+    with pytest.raises(TypeError, match=r"BUILTIN_SPECS\['broken'\].*is not a TrainSpec"):
+        get_train_spec("broken")
 
 
 def test_train_spec_is_frozen_and_holds_every_part() -> None:

@@ -15,6 +15,7 @@ from titan_kedro.data.tokenizer import build_tokenizer
 from titan_kedro.models import get_train_spec
 from titan_kedro.models.hf_export import compare_logits, export_hf_folder
 from titan_kedro.models.resolve import resolve_job_config
+from titan_kedro.pipelines.export_hf import nodes as export_nodes
 from titan_kedro.pipelines.export_hf.nodes import export_final_model
 from titan_kedro.train.evaluate import LoadedCheckpoint
 from titan_kedro.train.trainer import build_model
@@ -128,7 +129,9 @@ def test_a_spec_without_adapter_is_refused(
         export_hf_folder(model, replace(spec, state_dict_adapter=None), args, tmp_path / "hf")
 
 
-def _run_export_node(tmp_path: Path, model: torch.nn.Module, tokenizer: Any) -> dict[str, Any]:
+def _run_export_node(
+    tmp_path: Path, model: torch.nn.Module, tokenizer: Any, **export: Any
+) -> dict[str, Any]:
     resolved = resolve_job_config(
         {
             "model": {"name": "deepseek_v2", "flavor": "debugmodel", "overrides": TINY_DSV2},
@@ -146,6 +149,7 @@ def _run_export_node(tmp_path: Path, model: torch.nn.Module, tokenizer: Any) -> 
             "verify_tokens": 32,
             "tolerance": 1e-4,
             "max_shard_gib": 5.0,
+            **export,
         },
         training_summary={"tokens_seen": 1234},
         evaluation_results={"eval_loss": 7.5, "eval_perplexity": 1808.0},
@@ -180,3 +184,28 @@ def test_export_node_flags_a_nonzero_expert_bias_that_transformers_cannot_expres
     manifest = _run_export_node(tmp_path, model, tokenizer)
     assert manifest["faithful"] is False and manifest["max_abs_logit_diff"] > 1e-4
     assert "expert bias is not zero" in manifest["mismatch_reason"]
+
+
+def test_export_node_registers_under_the_configured_name_and_alias(
+    tmp_path: Path,
+    tokenizer: Any,
+    dsv2: tuple[Any, Any, torch.nn.Module],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    registered: list[tuple[str, str]] = []
+
+    class Registered:
+        def to_dict(self) -> dict[str, str]:
+            return {"name": registered[0][0], "alias": registered[0][1]}
+
+    def register(folder: Path, *, name: str, alias: str) -> Registered:
+        registered.append((name, alias))
+        return Registered()
+
+    monkeypatch.setattr(export_nodes.mlflow, "active_run", object)  # a run is active
+    monkeypatch.setattr(export_nodes, "register_hf_folder", register)
+    manifest = _run_export_node(
+        tmp_path, dsv2[2], tokenizer, verify=False, registered_model_name="mine", alias="staging"
+    )
+    assert registered == [("mine", "staging")]  # the node's export settings, not the defaults
+    assert manifest["registered_model"] == {"name": "mine", "alias": "staging"}

@@ -214,3 +214,21 @@ def validation_loader(token_dir: Path, *, seq_len: int, local_batch_size: int, s
         dp_degree=1,
         seed=seed,
     )
+
+
+def assert_first_step_moves_weights_by_lr(trainer: Any) -> dict[str, Any]:
+    """Run the first optimizer step of a fresh, unwrapped ``trainer``; check the update size.
+
+    AdamW's first step moves a weight by ``lr · m̂ / (√v̂ + eps) = lr · g / (|g| + eps)``:
+    by ``lr`` exactly for every weight with ``|g| ≫ eps``, whatever the loss. Norm gains
+    (1-D, in the group without weight decay) all get a gradient, so the largest move among
+    them is the step's ``lr``, up to the float32 rounding of ``w - lr`` (one ulp of a gain
+    near 1 is 1.2e-7, 4e-5 of an lr of 3e-3). Returns the step's metrics.
+    """
+    gains = {n: p for n, p in trainer.model.named_parameters() if p.ndim == 1}
+    before = {n: p.detach().clone() for n, p in gains.items()}
+    metrics = trainer.train_step()
+    assert gains and metrics["lr"] > 0, metrics
+    moved = max(float((p.detach() - before[n]).abs().max()) for n, p in gains.items())
+    assert abs(moved - metrics["lr"]) <= 1e-4 * metrics["lr"], (moved, metrics["lr"])
+    return metrics

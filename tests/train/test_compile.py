@@ -6,10 +6,10 @@ from pathlib import Path
 
 from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.train.trainer import Trainer
-from train.helpers import tiny_job, write_token_dir
+from train.helpers import assert_first_step_moves_weights_by_lr, tiny_job, write_token_dir
 
 
-def test_compiled_losses_match_eager_within_bf16_tolerance(tmp_path: Path) -> None:
+def test_compiled_losses_match_eager_within_a_tenth_of_bf16_roundoff(tmp_path: Path) -> None:
     token_dir = write_token_dir(tmp_path / "tokens", n_train=6000)
     losses = {}
     for compile_ in (False, True):
@@ -32,9 +32,16 @@ def test_compiled_losses_match_eager_within_bf16_tolerance(tmp_path: Path) -> No
         )
         trainer = Trainer(resolve_job_config(raw, source="test"))
         try:
-            losses[compile_] = [trainer.train_step()["loss"] for _ in range(3)]
+            if compile_:
+                first = trainer.train_step()
+            else:  # the updates are real: the first step moves the weights by AdamW's lr
+                first = assert_first_step_moves_weights_by_lr(trainer)
+            losses[compile_] = [first["loss"]] + [trainer.train_step()["loss"] for _ in range(2)]
         finally:
             trainer.close()
-    assert abs(losses[False][-1] - losses[False][0]) > 1e-3  # the updates change the loss
-    for eager, compiled in zip(losses[False], losses[True]):
-        assert abs(compiled - eager) <= 1e-2 * abs(eager), losses
+    # Compiled blocks fuse the same bf16-autocast maths and round in other places: measured
+    # 7e-8 relative at step 1 (forward only), 4.9e-5 at step 3 (updates carry the
+    # differences on). Bounded at 1/10 of a bf16 unit roundoff (2^-8), as one-rank FSDP
+    # in test_trainer: a loss off by one bf16 rounding would fail.
+    for eager, compiled in zip(losses[False], losses[True], strict=True):
+        assert abs(compiled - eager) <= 2**-8 / 10 * abs(eager), losses

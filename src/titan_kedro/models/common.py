@@ -15,9 +15,9 @@ Frequency scalings: Llama 3 (long wavelengths slowed down, smooth in between) an
 Document masking (packed windows ``BOS doc EOS BOS doc EOS …``): ``document_positions``
 gives each token its position inside its document and a document id; a model's
 ``forward(tokens, positions=..., document_ids=...)`` then restarts RoPE at every document
-and lets a token attend only to earlier tokens of its own document
-(``document_mask`` + ``attention``: SDPA with a block-diagonal causal mask, or
-FlexAttention with a block mask on CUDA).
+and lets a token attend only to earlier tokens of its own document: ``rotations_and_mask``
+gives every block its rotations and mask (``document_mask``), and ``attention`` runs SDPA
+with a block-diagonal causal mask, or FlexAttention with a block mask on CUDA.
 """
 
 from __future__ import annotations
@@ -324,6 +324,38 @@ def document_mask(document_ids: torch.Tensor, *, flex: bool | None = None) -> At
     causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
     same = document_ids[:, :, None] == document_ids[:, None, :]
     return (same & causal)[:, None]
+
+
+def rotations_and_mask(
+    freqs_cis: torch.Tensor,
+    tokens: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, AttentionMask]:
+    """What every block of one forward gets: ``block(h, freqs_cis, mask)``.
+
+    Args:
+        freqs_cis: The model's rotary table ``[max_seq_len, rotary_dim / 2]`` (complex).
+        tokens: The forward's token ids ``[batch, seq]``.
+        positions: RoPE positions ``[batch, seq]`` (from ``document_positions``; None:
+            ``0 … seq-1``).
+        document_ids: ``[batch, seq]`` (from ``document_positions``); a token then attends
+            only to earlier tokens of its own document (None: plain causal attention).
+
+    Returns:
+        ``(freqs_cis, mask)``: the table itself, or per token ``freqs_cis[positions]``
+        ``[batch, seq, rotary_dim / 2]``; and None or ``document_mask(document_ids)``.
+
+    Raises:
+        ValueError: ``positions`` or ``document_ids`` not shaped like ``tokens``.
+    """
+    for name, value in (("positions", positions), ("document_ids", document_ids)):
+        if value is not None and value.shape != tokens.shape:
+            raise ValueError(
+                f"{name} {tuple(value.shape)} must have the shape of tokens {tuple(tokens.shape)}"
+            )
+    rotations = rotary_for(freqs_cis, positions, tokens.shape[1])
+    return rotations, None if document_ids is None else document_mask(document_ids)
 
 
 _FLEX: dict[str, Callable[..., torch.Tensor]] = {}

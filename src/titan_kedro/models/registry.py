@@ -1,9 +1,8 @@
 """Registry of train specs, resolved by name (``get_train_spec("deepseek_v2")``).
 
-A ``TrainSpec`` bundles everything the trainer needs to know about one model family:
-the model class, named flavors (sizes), config extensions, and the functions that
-parallelize it, build its optimizers, LR schedulers and loss, map its weights to and
-from Hugging Face, and count its FLOPs.
+Built-in families are listed in ``BUILTIN_SPECS`` (name → ``"module:attribute"``) and
+imported on their first lookup, so the registry imports no model package at module level
+and no model package imports the registry: both sides import ``models/spec.py``.
 
 Custom models: ``import_custom_model`` imports a user's ``.py`` file or dotted module,
 which calls ``register_train_spec``. That runs the user's code with the project's
@@ -12,112 +11,31 @@ permissions — only point it at code you trust.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib
 import importlib.util
 import sys
 import traceback
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
 
-from pydantic import BaseModel
-from torch import nn
+from titan_kedro.models.spec import TrainSpec
 
-from titan_kedro.components.loss import build_cross_entropy_loss
-from titan_kedro.components.lr_schedulers import build_lr_schedulers
-from titan_kedro.components.optimizers import build_optimizers
-from titan_kedro.models.parallel import parallelize_dense
-
-
-class StateDictAdapter(Protocol):
-    """Maps weights and configs between Hugging Face transformers and our model."""
-
-    def args_from_hf_config(self, config: Any) -> Any: ...
-
-    def hf_config_from_args(self, args: Any) -> Any: ...
-
-    def from_hf(self, state_dict: Mapping[str, Any]) -> dict[str, Any]: ...
-
-    def to_hf(self, state_dict: Mapping[str, Any]) -> dict[str, Any]: ...
-
-
-@dataclass(frozen=True)
-class TrainSpec:
-    """Everything the trainer needs to train one model family."""
-
-    name: str
-    """Registry key, e.g. ``deepseek_v2``."""
-    model_cls: type[nn.Module]
-    """Model class; ``model_cls(args)`` builds it and ``model(tokens)`` returns logits."""
-    flavors: Mapping[str, Any]
-    """Flavor name → model-args dataclass instance."""
-    parallelize_fn: Callable[..., nn.Module] = parallelize_dense
-    """``parallelize_fn(model, parallel_dims, job_config)`` applies AC, compile, EP, FSDP2.
-
-    The default suits a dense model (no expert parallelism)."""
-    build_optimizers_fn: Callable[..., Any] = build_optimizers
-    """``build_optimizers_fn(model_parts, job_config)`` → OptimizersContainer (AdamW per part)."""
-    build_lr_schedulers_fn: Callable[..., Any] = build_lr_schedulers
-    """``build_lr_schedulers_fn(optimizers, job_config)`` → LRSchedulersContainer."""
-    build_loss_fn: Callable[..., Callable[..., Any]] = build_cross_entropy_loss
-    """``build_loss_fn(job_config)`` → ``loss(logits, labels)``; the default is token-level
-    cross-entropy, which the trainer replaces with its fused output-projection loss."""
-    state_dict_adapter: StateDictAdapter | None = None
-    """Hugging Face ↔ ours; None if the family has no HF counterpart."""
-    flops_per_token: Callable[[Any, int], float] | None = None
-    """``flops_per_token(args, seq_len)`` for training (forward + backward), for MFU."""
-    extensions: Mapping[str, type[BaseModel]] = field(default_factory=dict)
-    """Job-config section → pydantic model of extra fields this family adds."""
-    validate_config_fn: Callable[[Any, Any], None] | None = None
-    """``validate_config_fn(job_config, model_args)`` raises ValueError on impossible combos."""
-
-    def build_model(self, args: Any) -> nn.Module:
-        """Instantiate the model for ``args`` (call under ``torch.device('meta')`` to size it)."""
-        return self.model_cls(args)
-
-    def resolve_args(self, flavor: str, overrides: Mapping[str, Any] | None = None) -> Any:
-        """Flavor args with ``overrides`` applied; unknown flavors or fields fail clearly."""
-        if flavor not in self.flavors:
-            raise ValueError(
-                f"model '{self.name}' has no flavor '{flavor}'; flavors: {sorted(self.flavors)}"
-            )
-        args = self.flavors[flavor]
-        overrides = dict(overrides or {})
-        if not overrides:
-            return args
-        known = {f.name for f in dataclasses.fields(args)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            import difflib
-
-            hints = [
-                f"'{k}'"
-                + (
-                    f" (did you mean '{m[0]}'?)"
-                    if (m := difflib.get_close_matches(k, known, 1))
-                    else ""
-                )
-                for k in unknown
-            ]
-            raise ValueError(
-                f"model.overrides: {', '.join(hints)} not a field of {type(args).__name__} "
-                f"for model '{self.name}'"
-            )
-        try:
-            return dataclasses.replace(args, **overrides)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"model.overrides for '{self.name}' are invalid: {err}") from err
-
+BUILTIN_SPECS: Mapping[str, str] = {
+    "deepseek_v2": "titan_kedro.models.deepseek_v2:DEEPSEEK_V2_SPEC",
+    "llama3": "titan_kedro.models.llama3:LLAMA3_SPEC",
+}
+"""Built-in model name → ``"module:attribute"`` of its ``TrainSpec``; one line per family."""
 
 _REGISTRY: dict[str, TrainSpec] = {}
 
 
 def register_train_spec(spec: TrainSpec) -> TrainSpec:
-    """Add ``spec`` to the registry; a second spec with the same name is an error."""
-    if spec.name in _REGISTRY:
+    """Add ``spec`` to the registry; a second spec with the same name is an error.
+
+    Built-in names are taken even before their first lookup.
+    """
+    if spec.name in _REGISTRY or spec.name in BUILTIN_SPECS:
         raise ValueError(f"a train spec named '{spec.name}' is already registered")
     _REGISTRY[spec.name] = spec
     return spec
@@ -128,23 +46,28 @@ def unregister_train_spec(name: str) -> None:
     _REGISTRY.pop(name, None)
 
 
-def _load_builtin_specs() -> None:
-    # Importing the model packages registers their specs.
-    import titan_kedro.models.deepseek_v2
-    import titan_kedro.models.llama3  # noqa: F401
+def _load_builtin_spec(name: str) -> TrainSpec:
+    module_name, attribute = BUILTIN_SPECS[name].split(":")
+    spec = getattr(importlib.import_module(module_name), attribute)
+    if not isinstance(spec, TrainSpec) or spec.name != name:
+        raise TypeError(
+            f"BUILTIN_SPECS['{name}'] = '{BUILTIN_SPECS[name]}' is not a TrainSpec named '{name}'"
+        )
+    return spec
 
 
 def list_train_specs() -> list[str]:
-    _load_builtin_specs()
-    return sorted(_REGISTRY)
+    """Every spec name: the built-ins (imported or not) and those registered."""
+    return sorted(set(_REGISTRY) | set(BUILTIN_SPECS))
 
 
 def get_train_spec(name: str) -> TrainSpec:
-    """Look a spec up by name; the error lists what is registered."""
-    _load_builtin_specs()
+    """Look a spec up by name (a built-in is imported now); the error lists the names."""
+    if name not in _REGISTRY and name in BUILTIN_SPECS:
+        _REGISTRY[name] = _load_builtin_spec(name)
     if name not in _REGISTRY:
         raise ValueError(
-            f"unknown model '{name}'; registered train specs: {', '.join(sorted(_REGISTRY))}. "
+            f"unknown model '{name}'; registered train specs: {', '.join(list_train_specs())}. "
             "Custom models are loaded with model.custom_model_path or model.custom_import."
         )
     return _REGISTRY[name]
@@ -174,7 +97,6 @@ def import_custom_model(path: str | None = None, module: str | None = None) -> l
     """
     if not path and not module:
         return []
-    _load_builtin_specs()
     before = set(_REGISTRY)
     label = path or module
     if path:

@@ -10,12 +10,8 @@ from pydantic import ValidationError
 
 from titan_kedro.config.load import ConfigError, build_job_config, format_validation_error
 from titan_kedro.config.schema import JobConfig, ModelSection
-from titan_kedro.models.registry import (
-    TrainSpec,
-    get_train_spec,
-    import_custom_model,
-    list_train_specs,
-)
+from titan_kedro.models.registry import get_train_spec, import_custom_model, list_train_specs
+from titan_kedro.models.spec import TrainSpec
 
 logger = logging.getLogger(__name__)
 

@@ -13,15 +13,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from titan_kedro.models.hf_export import SAFETENSORS_FILE, SAFETENSORS_INDEX
 
@@ -35,10 +36,6 @@ Index = tuple[slice, ...]
 
 class HFInitError(ValueError):
     """The Hugging Face folder does not fit the configured model (the message says how)."""
-
-
-def _full_index(shape: Sequence[int]) -> Index:
-    return tuple(slice(0, n) for n in shape)
 
 
 class _Lazy:
@@ -66,12 +63,17 @@ class _Lazy:
 
 
 class _Source(_Lazy):
+    """One tensor of a safetensors file; ``read_bytes`` counts what was read of it."""
+
     def __init__(self, handle: Any, name: str):
         self.handle, self.name = handle, name
         self.shape = torch.Size(handle.get_slice(name).get_shape())
+        self.read_bytes = 0
 
     def read(self, index: Index) -> torch.Tensor:
-        return self.handle.get_slice(self.name)[index]
+        block = self.handle.get_slice(self.name)[index]
+        self.read_bytes += block.numel() * block.element_size()
+        return block
 
 
 class _Narrow(_Lazy):
@@ -104,23 +106,32 @@ def _read(value: Any, index: Index) -> torch.Tensor:
     return value[index]
 
 
-def _open_folder(folder: Path) -> dict[str, _Source]:
-    from safetensors import safe_open
-
+def _weight_files(folder: Path) -> list[Path]:
+    """The folder's safetensors files; names from the index must lie in the folder."""
     index_file = folder / SAFETENSORS_INDEX
     if index_file.is_file():
         weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif (folder / SAFETENSORS_FILE).is_file():
-        files = [SAFETENSORS_FILE]
-    else:
-        raise HFInitError(
-            f"checkpoint.initial_load_hf: {folder} has neither {SAFETENSORS_FILE} nor "
-            f"{SAFETENSORS_INDEX}; point it at a Hugging Face model folder with safetensors weights"
-        )
+        names = sorted(set(weight_map.values()))
+        outside = [n for n in names if Path(n).name != n or not n.endswith(".safetensors")]
+        if outside:
+            raise HFInitError(
+                f"checkpoint.initial_load_hf: {index_file} names files {outside[:4]} that are "
+                "not .safetensors files directly in the folder; fix the index's weight_map"
+            )
+        return [folder / name for name in names]
+    if (folder / SAFETENSORS_FILE).is_file():
+        return [folder / SAFETENSORS_FILE]
+    raise HFInitError(
+        f"checkpoint.initial_load_hf: {folder} has neither {SAFETENSORS_FILE} nor "
+        f"{SAFETENSORS_INDEX}; point it at a Hugging Face model folder with safetensors weights"
+    )
+
+
+def _open_folder(folder: Path, stack: ExitStack) -> dict[str, _Source]:
+    """Lazy handles on every tensor of the folder, open until ``stack`` closes."""
     sources: dict[str, _Source] = {}
-    for name in files:
-        handle = safe_open(str(folder / name), framework="pt", device="cpu")  # kept by _Source
+    for path in _weight_files(folder):
+        handle = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
         for key in handle.keys():
             sources[key] = _Source(handle, key)
     return sources
@@ -165,34 +176,31 @@ def check_hf_config(spec: Any, model_args: Any, folder: str | Path) -> None:
         )
 
 
-_MAX_PROBE = 1 << 24
+def _local_indices(tensor: DTensor) -> list[torch.Tensor]:
+    """For each dim, the global indices this rank holds.
 
-
-def _local_indices(tensor: DTensor) -> list[torch.Tensor] | None:
-    """For each dim, the global indices this rank holds (None: too large to probe).
-
-    Sharding a small probe (the global indices of every sharded dim) with the tensor's own
-    placements and ``src_data_rank=None`` (no communication) gives the exact layout, also
-    for ``_StridedShard`` (FSDP over expert-parallel experts).
+    Sharding a probe (the global indices ``0 … n-1`` of one dim, size 1 elsewhere) with
+    the placements that shard that dim and ``src_data_rank=None`` (no communication)
+    gives the exact layout, also for ``_StridedShard`` (FSDP over expert-parallel
+    experts). Placements on other dims do not move this dim's indices, so they are
+    replicated, and each probe holds only ``n`` indices.
     """
-    sharded = sorted({p.dim for p in tensor.placements if p.is_shard()})
-    shape = [tensor.shape[d] if d in sharded else 1 for d in range(tensor.ndim)]
-    if math.prod(shape) > _MAX_PROBE:
-        return None
     out = []
     for dim in range(tensor.ndim):
-        if dim not in sharded:
+        # ``_StridedShard`` is no ``Shard`` subclass (``is_shard()`` is false), but has ``dim``.
+        placements = [
+            p if getattr(p, "dim", None) == dim else Replicate() for p in tensor.placements
+        ]
+        if all(isinstance(p, Replicate) for p in placements):
             out.append(torch.arange(tensor.shape[dim]))
             continue
-        view = [1] * tensor.ndim
-        view[dim] = shape[dim]
-        probe = torch.arange(shape[dim]).view(view).expand(shape).contiguous()
+        shape = [1] * tensor.ndim
+        shape[dim] = tensor.shape[dim]
+        probe = torch.arange(tensor.shape[dim]).view(shape)
         local = distribute_tensor(
-            probe, tensor.device_mesh, tensor.placements, src_data_rank=None
+            probe, tensor.device_mesh, placements, src_data_rank=None
         ).to_local()
-        first = [0] * tensor.ndim
-        first[dim] = slice(None)
-        out.append(local[tuple(first)].cpu() if local.numel() else torch.empty(0, dtype=torch.long))
+        out.append(local.flatten().cpu())
     return out
 
 
@@ -226,7 +234,19 @@ def load_hf_weights(
     """
     folder = Path(folder)
     check_hf_config(spec, model_args, folder)
-    ours = spec.state_dict_adapter.from_hf(_open_folder(folder))
+    with ExitStack() as stack:
+        sources = _open_folder(folder, stack)
+        _copy_weights(model_parts, spec, folder, sources)
+    read_bytes = sum(source.read_bytes for source in sources.values())
+    stored = sum(p.stat().st_size for p in _weight_files(folder))
+    log.info("initialised from %s: this rank read %d of %d bytes", folder, read_bytes, stored)
+    return read_bytes
+
+
+def _copy_weights(
+    model_parts: Sequence[nn.Module], spec: Any, folder: Path, sources: dict[str, _Source]
+) -> None:
+    ours = spec.state_dict_adapter.from_hf(sources)
     targets: dict[str, torch.Tensor] = {}
     for part in model_parts:
         targets.update(get_model_state_dict(part))
@@ -236,7 +256,6 @@ def load_hf_weights(
             f"checkpoint.initial_load_hf: the weights of {folder} do not cover the model: "
             f"missing {missing[:8]}, unexpected {extra[:8]}"
         )
-    read_bytes = 0
     for key, target in targets.items():
         value = ours[key]
         if tuple(value.shape) != tuple(target.shape):
@@ -252,21 +271,10 @@ def load_hf_weights(
             if isinstance(target, DTensor)
             else [torch.arange(n) for n in target.shape]
         )
-        if indices is None:  # too large to probe: read all, keep our part
-            full = _read(value, _full_index(value.shape)).to(target.dtype)
-            block = distribute_tensor(
-                full, target.device_mesh, target.placements, src_data_rank=None
-            ).to_local()
-            read_bytes += full.numel() * full.element_size()
-        else:
-            block = _read_rows(value, indices)
-            read_bytes += block.numel() * block.element_size()
+        block = _read_rows(value, indices)
         if tuple(block.shape) != tuple(local.shape):
             raise HFInitError(
                 f"{key}: read a block of {tuple(block.shape)}, local shard is "
                 f"{tuple(local.shape)} (unsupported placements {target.placements})"
             )
         local.copy_(block.to(device=local.device, dtype=local.dtype))
-    stored = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-    log.info("initialised from %s: this rank read %d of %d bytes", folder, read_bytes, stored)
-    return read_bytes

@@ -1,4 +1,4 @@
-"""DeepSeek-V2 family (MLA + DeepSeekMoE), registered as the ``deepseek_v2`` train spec.
+"""DeepSeek-V2 family (MLA + DeepSeekMoE): the ``deepseek_v2`` train spec (``DEEPSEEK_V2_SPEC``).
 
 Flavors: ``debugmodel`` (61M parameters, a training step on a laptop CPU), ``v2-lite``
 (DeepSeek-V2-Lite: 15.7B total, 2.4B active) and ``v2`` (236B total, 21B active), with
@@ -17,7 +17,7 @@ from titan_kedro.models.deepseek_v2.flops import flops_per_token, param_counts
 from titan_kedro.models.deepseek_v2.hf_adapter import DeepSeekV2StateDictAdapter
 from titan_kedro.models.deepseek_v2.model import DeepSeekV2Model
 from titan_kedro.models.deepseek_v2.parallelize import parallelize_deepseek_v2
-from titan_kedro.models.registry import TrainSpec, register_train_spec
+from titan_kedro.models.spec import TrainSpec
 
 # DeepSeek-V2 and V2-Lite extend a 4K pretraining context 40× with YaRN.
 _YARN_40X = YarnRopeScaling(
@@ -147,20 +147,20 @@ def validate_config(job_config: Any, args: DeepSeekV2ModelArgs) -> None:
         )
 
 
-register_train_spec(
-    TrainSpec(
-        name="deepseek_v2",
-        model_cls=DeepSeekV2Model,
-        flavors=FLAVORS,
-        parallelize_fn=parallelize_deepseek_v2,
-        state_dict_adapter=DeepSeekV2StateDictAdapter(),
-        flops_per_token=flops_per_token,
-        extensions={"parallelism": DeepSeekParallelismExtension},
-        validate_config_fn=validate_config,
-    )
+DEEPSEEK_V2_SPEC = TrainSpec(
+    name="deepseek_v2",
+    model_cls=DeepSeekV2Model,
+    flavors=FLAVORS,
+    parallelize_fn=parallelize_deepseek_v2,
+    state_dict_adapter=DeepSeekV2StateDictAdapter(),
+    flops_per_token=flops_per_token,
+    extensions={"parallelism": DeepSeekParallelismExtension},
+    validate_config_fn=validate_config,
 )
+"""Found by ``get_train_spec("deepseek_v2")`` through ``registry.BUILTIN_SPECS``."""
 
 __all__ = [
+    "DEEPSEEK_V2_SPEC",
     "FLAVORS",
     "DeepSeekParallelismExtension",
     "DeepSeekV2Model",

@@ -33,9 +33,8 @@ from titan_kedro.models.common import (
     RotaryTableModule,
     apply_rotary_emb,
     attention,
-    document_mask,
     precompute_freqs_cis,
-    rotary_for,
+    rotations_and_mask,
 )
 from titan_kedro.models.deepseek_v2.args import DeepSeekV2ModelArgs
 from titan_kedro.models.deepseek_v2.moe import MoE
@@ -176,8 +175,7 @@ class DeepSeekV2Model(RotaryTableModule):
             document_ids: ``[b, s]``; when given a token attends only within its document.
         """
         h = self.tok_embeddings(tokens)
-        freqs_cis = rotary_for(self.freqs_cis, positions, tokens.shape[1])
-        mask = None if document_ids is None else document_mask(document_ids)
+        freqs_cis, mask = rotations_and_mask(self.freqs_cis, tokens, positions, document_ids)
         for layer in self.layers.values():
             h = layer(h, freqs_cis, mask)
         return self.output(self.norm(h)).float()

@@ -1,11 +1,11 @@
-"""Llama 3 (dense, GQA, RoPE with Llama 3 scaling), registered as the ``llama3`` train spec."""
+"""Llama 3 (dense, GQA, RoPE with Llama 3 scaling): the ``llama3`` train spec (``LLAMA3_SPEC``)."""
 
 from __future__ import annotations
 
 from titan_kedro.models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 from titan_kedro.models.llama3.hf_adapter import Llama3StateDictAdapter
 from titan_kedro.models.llama3.model import Llama3Model
-from titan_kedro.models.registry import TrainSpec, register_train_spec
+from titan_kedro.models.spec import TrainSpec
 
 
 def llama3_param_count(args: Llama3Args) -> dict[str, int]:
@@ -39,15 +39,14 @@ def llama3_flops_per_token(args: Llama3Args, seq_len: int) -> float:
     return 6 * non_embedding + 12 * args.n_layers * args.n_heads * args.head_size * seq_len
 
 
-LLAMA3_SPEC = register_train_spec(
-    TrainSpec(
-        name="llama3",
-        model_cls=Llama3Model,
-        flavors=LLAMA3_FLAVORS,
-        state_dict_adapter=Llama3StateDictAdapter(),
-        flops_per_token=llama3_flops_per_token,
-    )
+LLAMA3_SPEC = TrainSpec(
+    name="llama3",
+    model_cls=Llama3Model,
+    flavors=LLAMA3_FLAVORS,
+    state_dict_adapter=Llama3StateDictAdapter(),
+    flops_per_token=llama3_flops_per_token,
 )
+"""Found by ``get_train_spec("llama3")`` through ``registry.BUILTIN_SPECS``."""
 
 __all__ = [
     "LLAMA3_FLAVORS",

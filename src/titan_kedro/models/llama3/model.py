@@ -18,9 +18,8 @@ from titan_kedro.models.common import (
     RotaryTableModule,
     apply_rotary_emb_half,
     attention,
-    document_mask,
     precompute_freqs_cis,
-    rotary_for,
+    rotations_and_mask,
 )
 from titan_kedro.models.llama3.args import Llama3Args
 
@@ -135,8 +134,7 @@ class Llama3Model(RotaryTableModule):
         """Logits of ``tokens`` ``[b, s]``; ``positions`` / ``document_ids`` ``[b, s]`` (from
         ``common.document_positions``) restart RoPE and mask attention per document."""
         h = self.tok_embeddings(tokens)
-        freqs_cis = rotary_for(self.freqs_cis, positions, tokens.shape[1])
-        mask = None if document_ids is None else document_mask(document_ids)
+        freqs_cis, mask = rotations_and_mask(self.freqs_cis, tokens, positions, document_ids)
         for block in self.layers.values():
             h = block(h, freqs_cis, mask)
         return self.output(self.norm(h)).float()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from titan_kedro.config.schema import EvaluationSection, TokenizerSection, section_from_params
 from titan_kedro.data.loader import TokenLoader
 from titan_kedro.data.tokenizer import build_tokenizer
 from titan_kedro.models.resolve import resolve_job_config
@@ -46,6 +47,7 @@ def compute_validation_loss(
         checkpoint's step.
     """
     cfg = final_model.resolved.config
+    settings = section_from_params(EvaluationSection, evaluation)
     if "validation" not in token_files:
         raise ValueError(
             "the token files have no 'validation' split; set data.validation_fraction > 0 "
@@ -66,7 +68,7 @@ def compute_validation_loss(
         iter(loader),
         loss_fn,
         n_batches=validation.capped_batches(
-            evaluation["batches"], loader.batches_per_epoch, "evaluation.batches"
+            settings.batches, loader.batches_per_epoch, "evaluation.batches"
         ),
         bos_id=masking_bos_id(cfg, final_model.model, token_files.get("metadata", {})),
     )
@@ -96,11 +98,13 @@ def generate_samples(
     evaluation: dict[str, Any],
 ) -> dict[str, Any]:
     """Greedy and top-k continuations of prompts cut from validation documents."""
-    tok = build_tokenizer(tokenizer["name_or_path"])
+    name_or_path = section_from_params(TokenizerSection, tokenizer).name_or_path
+    settings = section_from_params(EvaluationSection, evaluation)
+    tok = build_tokenizer(name_or_path)
     expected = (token_files.get("metadata") or {}).get("tokenizer", {}).get("fingerprint")
     if expected and expected != tok.fingerprint:
         raise ValueError(
-            f"tokenizer '{tokenizer['name_or_path']}' (fingerprint {tok.fingerprint}) is not the "
+            f"tokenizer '{name_or_path}' (fingerprint {tok.fingerprint}) is not the "
             f"one the token files were made with ({expected}); re-run data_processing or set "
             "tokenizer.name_or_path back"
         )
@@ -109,16 +113,16 @@ def generate_samples(
         token_files["validation"],
         bos_id=tok.bos_id,
         eos_id=tok.eos_id,
-        count=evaluation["num_prompts"],
-        length=evaluation["prompt_tokens"],
+        count=settings.num_prompts,
+        length=settings.prompt_tokens,
     )
     samples = evaluate.sample_generations(
         final_model.model,
         prompts,
         decode=tok.decode,
-        max_new_tokens=evaluation["max_new_tokens"],
-        top_k=evaluation["top_k"],
-        temperature=evaluation["temperature"],
+        max_new_tokens=settings.max_new_tokens,
+        top_k=settings.top_k,
+        temperature=settings.temperature,
         seed=cfg.job.seed,
         eos_id=tok.eos_id,
         vocab_limit=tok.vocab_size,

@@ -10,6 +10,7 @@ import mlflow
 import numpy as np
 import torch
 
+from titan_kedro.config.schema import ExportSection, TokenizerSection, section_from_params
 from titan_kedro.data.tokenizer import build_tokenizer
 from titan_kedro.models import hf_export
 from titan_kedro.tracking.model_registry import register_hf_folder
@@ -49,7 +50,8 @@ def export_final_model(
     """
     resolved = final_model.resolved
     cfg = resolved.config
-    tok = build_tokenizer(tokenizer["name_or_path"])
+    settings = section_from_params(ExportSection, export)
+    tok = build_tokenizer(section_from_params(TokenizerSection, tokenizer).name_or_path)
     facts = {
         "model": f"{cfg.model.name}/{cfg.model.flavor}",
         "parameters": f"{sum(p.numel() for p in final_model.model.parameters()):,}",
@@ -61,7 +63,7 @@ def export_final_model(
         "validation loss": evaluation_results.get("eval_loss"),
         "validation perplexity": evaluation_results.get("eval_perplexity"),
     }
-    folder = Path(export["folder"])
+    folder = Path(settings.folder)
     files = hf_export.export_hf_folder(
         final_model.model,
         resolved.spec,
@@ -69,7 +71,7 @@ def export_final_model(
         folder,
         tokenizer=tok,
         model_card=hf_export.model_card(facts, title=f"{cfg.job.name}: {facts['model']}"),
-        max_shard_gib=export["max_shard_gib"],
+        max_shard_gib=settings.max_shard_gib,
     )
     manifest: dict[str, Any] = {
         "folder": str(folder),
@@ -80,11 +82,11 @@ def export_final_model(
         "vocab_size": getattr(resolved.model_args, "vocab_size", None),
         "tokenizer_vocab_size": tok.vocab_size,
     }
-    if export["verify"]:
-        tokens = np.asarray(token_files["validation"][: export["verify_tokens"]], dtype=np.int64)
+    if settings.verify:
+        tokens = np.asarray(token_files["validation"][: settings.verify_tokens], dtype=np.int64)
         diff = hf_export.compare_logits(folder, final_model.model, torch.from_numpy(tokens)[None])
-        faithful = diff <= export["tolerance"]
-        manifest.update(max_abs_logit_diff=diff, tolerance=export["tolerance"], faithful=faithful)
+        faithful = diff <= settings.tolerance
+        manifest.update(max_abs_logit_diff=diff, tolerance=settings.tolerance, faithful=faithful)
         if faithful:
             logger.info("HF export in %s matches our logits (max |diff| %.2e)", folder, diff)
         else:
@@ -99,12 +101,12 @@ def export_final_model(
                 "HF export in %s differs from our model: max |logit diff| %.3g > %.1e; %s",
                 folder,
                 diff,
-                export["tolerance"],
+                settings.tolerance,
                 reason,
             )
     if mlflow.active_run() is not None:
         registered = register_hf_folder(
-            folder, name=cfg.export.registered_model_name or cfg.job.name, alias=cfg.export.alias
+            folder, name=settings.registered_model_name or cfg.job.name, alias=settings.alias
         )
         manifest["registered_model"] = registered.to_dict()
     return manifest
