@@ -25,8 +25,14 @@ from torchx.runner import Runner, get_runner
 from torchx.specs import AppDef, AppDryRunInfo, AppState, AppStatus
 
 from titan_kedro.config.schema import LOCAL_CWD_SCHEDULER
-from titan_kedro.launch.appdef import ROLE, ROLE_ARGS
-from titan_kedro.launch.preflight import redact_tracking_uri
+from titan_kedro.launch.appdef import HOST_SCHEDULERS, ROLE, ROLE_ARGS
+from titan_kedro.launch.secrets import (
+    exported,
+    redact,
+    secret_values,
+    tracking_secrets,
+    with_secret_ref,
+)
 from titan_kedro.train.launch import TrainingFailedError, new_failing_rank_log, run_dirs
 
 logger = logging.getLogger(__name__)
@@ -94,14 +100,16 @@ def dryrun_info(runner: Runner, app: AppDef, launch: Any) -> AppDryRunInfo:
 
 def render_request(info: AppDryRunInfo, env: Mapping[str, str]) -> str:
     """TorchX's rendering of the request, with the MLflow URI's password masked."""
-    text = str(info)
-    return redact_tracking_uri(text, env)
+    return redact(str(info), tracking_secrets(env))
 
 
 class _Follower:
     """One thread per replica that echoes its log and keeps the tail."""
 
-    def __init__(self, runner: Runner, handle: str, nnodes: int, console: IO[str]) -> None:
+    def __init__(
+        self, runner: Runner, handle: str, nnodes: int, console: IO[str], secrets: list[str]
+    ) -> None:
+        self.secrets = secrets
         self.tails = [deque[str](maxlen=400) for _ in range(nnodes)]
         self._lock = threading.Lock()
         self._runner, self._handle, self._console = runner, handle, console
@@ -115,7 +123,8 @@ class _Follower:
     def _follow(self, k: int) -> None:
         prefix = f"[node {k}] " if len(self.tails) > 1 else ""
         try:
-            for line in self._runner.log_lines(self._handle, ROLE, k, should_tail=True):
+            for raw in self._runner.log_lines(self._handle, ROLE, k, should_tail=True):
+                line = redact(raw, self.secrets)
                 self.tails[k].append(line)
                 with self._lock:
                     self._console.write(prefix + (line if line.endswith("\n") else line + "\n"))
@@ -165,6 +174,7 @@ def run_job(
     *,
     console: IO[str] | None = None,
     poll_s: float | None = None,
+    credentials: Mapping[str, str] | None = None,
 ) -> str:
     """Submit ``app`` to ``cfg.launch.scheduler`` and wait until it succeeds.
 
@@ -173,6 +183,9 @@ def run_job(
         app: The job (``build_appdef``).
         console: Where the nodes' output is echoed (default ``sys.stdout``).
         poll_s: Seconds between status checks (default 0.5 on this machine, 5 remote).
+        credentials: MLflow's credential variables for the nodes (``secrets.node_env``):
+            exported by name from this process to ``sbatch`` (and ``local_cwd``), referenced
+            as the Secret ``launch.scheduler_args.mlflow_secret`` on Kubernetes.
 
     Returns:
         The TorchX app handle (``scheduler://session/app_id``).
@@ -187,12 +200,16 @@ def run_job(
     poll_s = poll_s or (0.5 if launch.scheduler == LOCAL_CWD_SCHEDULER else 5.0)
     log_dir = Path(launch.log_dir)
     before = run_dirs(log_dir)
+    credentials = dict(credentials or {})
+    secrets = secret_values(credentials)
     with signals_restored(), get_runner() as runner:
-        info = dryrun_info(runner, app, launch)
+        info = with_secret_ref(dryrun_info(runner, app, launch), launch.scheduler_args)
         _install_interrupt_handlers()
-        handle = runner.schedule(info)
+        host = launch.scheduler in HOST_SCHEDULERS
+        with exported(credentials if host else {}):
+            handle = runner.schedule(info)
         logger.info("submitted %s (%d × %d workers)", handle, launch.nnodes, launch.nproc_per_node)
-        follower = _Follower(runner, handle, launch.nnodes, console)
+        follower = _Follower(runner, handle, launch.nnodes, console, secrets)
         deadline = time.monotonic() + launch.timeout_s if launch.timeout_s else None
         timed_out = False
         try:
@@ -224,8 +241,11 @@ def run_job(
     )
     error = _error_message(status.structured_error_msg if status is not None else "")
     raise TrainingFailedError(
-        f"training job {handle} {reason}. Worker logs: {log_dir}\n"
-        f"--- node {k} output (last {TAIL_LINES} lines) ---\n{replica_log}"
-        + (f"\n{rank_log}" if rank_log else "")
-        + (f"\n--- scheduler error ---\n{error}" if error else "")
+        redact(
+            f"training job {handle} {reason}. Worker logs: {log_dir}\n"
+            f"--- node {k} output (last {TAIL_LINES} lines) ---\n{replica_log}"
+            + (f"\n{rank_log}" if rank_log else "")
+            + (f"\n--- scheduler error ---\n{error}" if error else ""),
+            secrets,
+        )
     )
