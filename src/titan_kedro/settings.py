@@ -1,11 +1,13 @@
 """Project settings. See https://docs.kedro.org/en/stable/kedro_project_setup/settings.html."""
 
+import os
 import warnings
 
 from kedro.config import OmegaConfigLoader
 from omegaconf.resolvers import oc
 
 from titan_kedro.hooks import ValidateJobConfigHook
+from titan_kedro.launch.secrets import redact
 from titan_kedro.mlflow_hooks import MlflowRunTagsHook
 from titan_kedro.resume_hook import ContinueRunHook
 
@@ -25,3 +27,8 @@ CONFIG_LOADER_ARGS = {
     # Lets mlflow.yml read MLFLOW_TRACKING_URI (Kedro only enables oc.env for credentials).
     "custom_resolvers": {"oc.env": oc.env},
 }
+
+# MLflow prints the run's URL, tracking URI included, when a run ends: not a URI that holds
+# credentials (launch/secrets.py).
+if redact(os.environ.get("MLFLOW_TRACKING_URI", "")) != os.environ.get("MLFLOW_TRACKING_URI", ""):
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")

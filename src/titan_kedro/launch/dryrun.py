@@ -10,11 +10,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from torchx.runner import get_runner
 from torchx.specs import AppDef
 
 from titan_kedro.config.schema import LOCAL_SCHEDULER
 from titan_kedro.launch.preflight import check_remote_launch
+from titan_kedro.launch.runner import get_runner
 from titan_kedro.launch.scheduler import dryrun_info, render_request, signals_restored
 from titan_kedro.launch.secrets import redact, tracking_secrets, with_secret_ref
 from titan_kedro.train.launch import torchrun_command

@@ -21,11 +21,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from torchx.runner import Runner, get_runner
+from torchx.runner import Runner
 from torchx.specs import AppDef, AppDryRunInfo, AppState, AppStatus
 
 from titan_kedro.config.schema import LOCAL_CWD_SCHEDULER
 from titan_kedro.launch.appdef import HOST_SCHEDULERS, ROLE, ROLE_ARGS
+from titan_kedro.launch.runner import get_runner
 from titan_kedro.launch.secrets import (
     exported,
     redact,
@@ -33,6 +34,7 @@ from titan_kedro.launch.secrets import (
     tracking_secrets,
     with_secret_ref,
 )
+from titan_kedro.tracking.mlflow_logger import TRACKING_URI_ENV
 from titan_kedro.train.launch import TrainingFailedError, new_failing_rank_log, run_dirs
 
 logger = logging.getLogger(__name__)
@@ -205,8 +207,11 @@ def run_job(
     with signals_restored(), get_runner() as runner:
         info = with_secret_ref(dryrun_info(runner, app, launch), launch.scheduler_args)
         _install_interrupt_handlers()
+        # sbatch hands this process's environment to the job: the credentials by name, and
+        # the URI as the nodes get it (the user's own may hold them).
+        uri = {k: v for k, v in app.roles[0].env.items() if k == TRACKING_URI_ENV}
         host = launch.scheduler in HOST_SCHEDULERS
-        with exported(credentials if host else {}):
+        with exported({**credentials, **uri} if host else {}):
             handle = runner.schedule(info)
         logger.info("submitted %s (%d × %d workers)", handle, launch.nnodes, launch.nproc_per_node)
         follower = _Follower(runner, handle, launch.nnodes, console, secrets)

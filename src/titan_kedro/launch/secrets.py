@@ -158,8 +158,9 @@ def node_env(env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
 
 @contextlib.contextmanager
 def exported(credentials: Mapping[str, str]) -> Iterator[None]:
-    """This process's environment holds ``credentials`` meanwhile (``sbatch`` exports it to
-    the job by name; nothing is written into the script); restored afterwards."""
+    """This process's environment holds ``credentials`` (and any other variables given)
+    meanwhile: ``sbatch`` exports it to the job by name, nothing is written into the
+    script. Restored afterwards."""
     saved = {k: os.environ.get(k) for k in credentials}
     os.environ.update(credentials)
     try:
