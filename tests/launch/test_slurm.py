@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from interrupt import interrupt_once_training
 from mlflow.tracking import MlflowClient
 from test_end_to_end import add_c4_sample, copy_project
 from test_torchx_launch import shared_job
@@ -260,20 +260,12 @@ def test_sigint_cancels_the_slurm_job_and_leaves_no_worker(server: Server, proje
          "--pipelines", "model_spec,training", "--params", params],
         cwd=project, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    workers: list[psutil.Process] = []
-    try:
-        deadline = time.monotonic() + 600
-        while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(1)
-            workers = _workers(project)
-        assert len(workers) == 2, "the two workers (one per Slurm node) never started"
-        family = _agents(project) + workers
-        time.sleep(3)
-        proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+
+    def job() -> tuple[list[psutil.Process], list[psutil.Process]]:
+        workers = _workers(project)
+        return _agents(project) + workers, workers
+
+    output, family = interrupt_once_training(proc, job, start_timeout_s=600, exit_timeout_s=180)
     assert proc.returncode != 0 and "cancelling" in output, output[-4000:]
     (job_id,) = _job_ids(output)
     assert _queued(job_id) == [], "the job is still in the queue"

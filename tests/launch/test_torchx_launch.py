@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ from typing import Any
 
 import psutil
 import pytest
+from interrupt import interrupt_once_training
 from torchx.components.dist import ddp
 from train.helpers import REPO, tiny_job, write_token_dir
 
@@ -267,21 +267,12 @@ def test_interrupting_a_local_cwd_run_leaves_no_process_behind(tmp_path: Path) -
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     parent = psutil.Process(proc.pid)
-    deadline = time.monotonic() + 120
-    workers: list[psutil.Process] = []
-    try:
-        while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.5)
-            family = _job_processes(parent)
-            workers = [p for p in family if _is_worker(p)]
-        assert len(workers) == 2, "the two workers (one per agent) never started"
+
+    def job() -> tuple[list[psutil.Process], list[psutil.Process]]:
         family = _job_processes(parent)  # agents, their shells and the workers
-        time.sleep(2)  # the workers are inside training now
-        proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        return family, [p for p in family if _is_worker(p)]
+
+    output, family = interrupt_once_training(proc, job)
     assert proc.returncode != 0 and "KeyboardInterrupt" in output, output[-3000:]
     assert "cancelling" in output
     gone, alive = psutil.wait_procs(family, timeout=5)
