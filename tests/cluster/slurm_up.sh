@@ -8,6 +8,7 @@
 # TorchX submits one heterogeneous job with one component per node, and Slurm never places
 # two components on one node. The names go into /etc/hosts (the rendezvous endpoint is the
 # first node's name). No accounting: torchx-nightly describes jobs with `squeue --json`.
+# Finished jobs stay known for an hour (MinJobAge), so tests can read their batch scripts.
 # Running it again while the cluster is up changes nothing. Needs root (apt-get, /etc).
 set -euo pipefail
 
@@ -104,7 +105,7 @@ SchedulerParameters=bf_interval=1
 ReturnToService=2
 MpiDefault=none
 KillWait=10
-MinJobAge=300
+MinJobAge=3600
 NodeName=${NODES[0]} NodeAddr=127.0.0.1 Port=${PORTS[0]} CPUs=$CPUS RealMemory=$MEMORY_MB State=UNKNOWN
 NodeName=${NODES[1]} NodeAddr=127.0.0.1 Port=${PORTS[1]} CPUs=$CPUS RealMemory=$MEMORY_MB State=UNKNOWN
 PartitionName=debug Nodes=${NODES[0]},${NODES[1]} Default=YES MaxTime=INFINITE State=UP

@@ -125,53 +125,60 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return project
 
 
-def kedro_run(project: Path, uri: str, params: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """``kedro run --env test`` of the training pipelines in ``project``, tracking to ``uri``."""
+FULL = "data_processing,model_spec,training"
+TRAIN = "model_spec,training"  # the token files of an earlier run in the same project
+
+
+def kedro_run(
+    project: Path, uri: str, params: str, pipelines: str = TRAIN, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """``kedro run --env test`` of ``pipelines`` in ``project``, tracking to ``uri``."""
     environ = {**os.environ, "MLFLOW_TRACKING_URI": uri, "KEDRO_DISABLE_TELEMETRY": "true", **env}
     environ.pop("MLFLOW_RUN_ID", None)
     return subprocess.run(
         [sys.executable, "-m", "kedro", "run", "--env", "test",
-         "--pipelines", "data_processing,model_spec,training", "--params", params],
-        cwd=project, env=environ, capture_output=True, text=True, timeout=900, check=False,
+         "--pipelines", pipelines, "--params", params],
+        cwd=project, env=environ, capture_output=True, text=True, timeout=1200, check=False,
     )  # fmt: skip
 
 
 @dataclass
 class SlurmRuns:
-    reference: dict[int, float]
     crashed: subprocess.CompletedProcess[str]
     continued: subprocess.CompletedProcess[str]
     job_ids: list[str]
-    reference_run_id: str
+    slurm_run_id: str
     run_ids: list[str]
+    reference: dict[int, float]
 
 
 @pytest.fixture(scope="module")
 def slurm_runs(server: Server, project: Path) -> SlurmRuns:
-    """One node × 2 processes here; then 2 nodes × 1 through Slurm where rank 1 (node 1)
-    crashes at step 3; then that run continued through Slurm with ``resume=latest``."""
+    """2 nodes × 1 process through Slurm where rank 1 (node 1) crashes at step 3; that run
+    continued through Slurm with ``resume=latest``; then 1 node × 2 processes here."""
     uri = server.uri()
+    slurm = f"{TINY},{SLURM.format(project=project)}"
+    crashed = kedro_run(
+        project, uri, slurm, FULL, TITAN_KEDRO_CRASH_AT_STEP="3", TITAN_KEDRO_CRASH_RANK="1"
+    )
+    continued = kedro_run(project, uri, f"{slurm},checkpoint.resume=latest")
     local = kedro_run(project, uri, f"{TINY},launch.nproc_per_node=2")
     assert local.returncode == 0, (local.stdout + local.stderr)[-6000:]
     experiment = server.client.get_experiment_by_name("titan_kedro")
-    (ref_run,) = server.client.search_runs([experiment.experiment_id])
+    runs = server.client.search_runs(
+        [experiment.experiment_id], order_by=["attributes.start_time ASC"]
+    )
     reference = {
-        m.step: m.value for m in server.client.get_metric_history(ref_run.info.run_id, "loss")
+        m.step: m.value for m in server.client.get_metric_history(runs[-1].info.run_id, "loss")
     }
     assert sorted(reference) == list(range(1, STEPS + 1))
-    slurm = f"{TINY},{SLURM.format(project=project)}"
-    crashed = kedro_run(
-        project, uri, slurm, TITAN_KEDRO_CRASH_AT_STEP="3", TITAN_KEDRO_CRASH_RANK="1"
-    )
-    continued = kedro_run(project, uri, f"{slurm},checkpoint.resume=latest")
-    runs = server.client.search_runs([experiment.experiment_id])
     return SlurmRuns(
-        reference,
         crashed,
         continued,
         _job_ids(crashed.stdout + crashed.stderr) + _job_ids(continued.stdout + continued.stderr),
-        ref_run.info.run_id,
+        runs[0].info.run_id,
         [r.info.run_id for r in runs],
+        reference,
     )
 
 
@@ -190,8 +197,7 @@ def test_two_slurm_nodes_train_like_one_and_continue_the_same_run(
     out = slurm_runs.continued.stdout + slurm_runs.continued.stderr
     assert slurm_runs.continued.returncode == 0, out[-6000:]
     assert len(slurm_runs.run_ids) == 2, "continuing must reopen the crashed run, not add one"
-    (crashed_run,) = set(slurm_runs.run_ids) - {slurm_runs.reference_run_id}
-    history = server.client.get_metric_history(crashed_run, "loss")
+    history = server.client.get_metric_history(slurm_runs.slurm_run_id, "loss")
     assert {m.step for m in history} == set(range(1, STEPS + 1))
     for m in history:  # steps 1-2 before the crash, 3-4 after continuing from step 2
         assert abs(m.value - slurm_runs.reference[m.step]) <= 1e-4, (m.step, m.value)
@@ -257,7 +263,7 @@ def test_sigint_cancels_the_slurm_job_and_leaves_no_worker(server: Server, proje
     environ.pop("MLFLOW_RUN_ID", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "kedro", "run", "--env", "test",
-         "--pipelines", "model_spec,training", "--params", params],
+         "--pipelines", TRAIN, "--params", params],
         cwd=project, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 
@@ -299,9 +305,13 @@ def _tiny_slurm_job(root: Path, **launch: object) -> dict[str, object]:
     return job
 
 
-def test_a_token_uri_job_logs_with_the_token_found_nowhere(
+def test_an_error_after_submission_cancels_a_token_uri_job_that_shows_no_token(
     server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A ``?token=`` URI: the nodes log to MLflow without it; then an error of ours while
+    following the job (describing it fails once) cancels the job."""
+    from torchx.runner import Runner
+
     monkeypatch.chdir(tmp_path)  # Slurm writes the replicas' logs into the submit folder
     write_token_dir(tmp_path / "tokens", n_train=4000)
     run = server.client.create_run(server.client.create_experiment("token-uri").experiment_id)
@@ -309,46 +319,36 @@ def test_a_token_uri_job_logs_with_the_token_found_nowhere(
         "MLFLOW_RUN_ID": run.info.run_id,
         "MLFLOW_TRACKING_URI": f"{server.uri(auth='')}/?token={TOKEN}",
     }
-    cfg = prepare_job(build_job_config(_tiny_slurm_job(tmp_path)), env)
-    console = io.StringIO()
-    launch_job(
-        cfg, dump_job_config(cfg, tmp_path / "job" / "job_config.yaml"), env, console=console
-    )
-    losses = server.client.get_metric_history(run.info.run_id, "loss")
-    assert len(losses) == cfg.training.steps  # the nodes reached MLflow without the token
-    assert TOKEN not in console.getvalue()
-    assert _files_with(tmp_path, TOKEN) == []
-    data = server.client.get_run(run.info.run_id).data
-    assert TOKEN not in json.dumps([data.params, data.tags])
-
-
-def test_an_error_of_ours_after_submission_cancels_the_job(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from torchx.runner import Runner
-
-    _require_cluster()
-    monkeypatch.chdir(tmp_path)
-    write_token_dir(tmp_path / "tokens", n_train=4000)
     job = _tiny_slurm_job(tmp_path)
     job["training"] = {**job["training"], "steps": 100_000}
-    job["metrics"] = {**job["metrics"], "enable_mlflow": False}
-    cfg = prepare_job(build_job_config(job), {})
-    submitted: list[str] = []
+    cfg = prepare_job(build_job_config(job), env)
+    handles: list[str] = []
     status = Runner.status
 
     def failing_status(self: Runner, handle: str) -> object:
-        submitted.append(handle)
-        if len(submitted) == 3:  # once, while the job is followed
+        handles.append(handle)
+        logged = server.client.get_metric_history(run.info.run_id, "loss")
+        if len(logged) >= 2 and not any(h == "raised" for h in handles):
+            handles.append("raised")  # once: cancelling asks for the state again
             raise RuntimeError("injected: describing the job failed")
         return status(self, handle)
 
     monkeypatch.setattr(Runner, "status", failing_status)
+    console = io.StringIO()
     with pytest.raises(RuntimeError, match="injected"):
-        launch_job(cfg, dump_job_config(cfg, tmp_path / "job" / "job_config.yaml"), {})
-    job_id = submitted[0].rsplit("/", 1)[1]
+        launch_job(
+            cfg, dump_job_config(cfg, tmp_path / "job" / "job_config.yaml"), env, console=console
+        )
     monkeypatch.undo()
-    deadline = time.monotonic() + 60
-    while _queued(job_id) and time.monotonic() < deadline:
-        time.sleep(1)
-    assert _queued(job_id) == []
+    job_id = handles[0].rsplit("/", 1)[1]
+    assert _queued(job_id) == [], "the job is still in the queue"
+    assert TOKEN not in console.getvalue() and "[node 1]" in console.getvalue()
+    assert _files_with(tmp_path, TOKEN) == []
+    script = subprocess.run(
+        ["scontrol", "write", "batch_script", job_id, "-"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert "#SBATCH" in script.stdout and TOKEN not in script.stdout
+    assert _state_environment(job_id)["MLFLOW_TRACKING_TOKEN"] == TOKEN  # by name
+    data = server.client.get_run(run.info.run_id).data
+    assert TOKEN not in json.dumps([data.params, data.tags])

@@ -141,6 +141,19 @@ class _Follower:
 
 
 def _failing_replica(status: AppStatus, tails: list[deque[str]]) -> int:
+    """The replica that failed first: its torchrun reports a failed worker ("Root Cause") and
+    was not stopped by a signal (Slurm stops the others once one fails); else the first the
+    scheduler marks failed; else one whose log shows an error."""
+
+    def says(k: int, text: str) -> bool:
+        return any(text in line for line in tails[k])
+
+    reported = [k for k in range(len(tails)) if says(k, "Root Cause")]
+    for k in reported:
+        if not says(k, "got signal"):
+            return k
+    if reported:
+        return reported[0]
     for role in status.roles:
         for replica in role.replicas:
             if replica.state == AppState.FAILED:
