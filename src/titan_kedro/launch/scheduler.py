@@ -101,7 +101,7 @@ def dryrun_info(runner: Runner, app: AppDef, launch: Any) -> AppDryRunInfo:
 
 
 def render_request(info: AppDryRunInfo, env: Mapping[str, str]) -> str:
-    """TorchX's rendering of the request, with the MLflow URI's password masked."""
+    """TorchX's rendering of the request, credentials masked (``secrets.redact``)."""
     return redact(str(info), tracking_secrets(env))
 
 
