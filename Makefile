@@ -40,7 +40,9 @@ mlflow-ui: install
 lock:
 	rm -rf /tmp/titan-lock && $(PYTHON) -m venv /tmp/titan-lock
 	/tmp/titan-lock/bin/pip install -q "torch==2.13.0" "mlflow==3.17.*" -e '.[dev]'
-	/tmp/titan-lock/bin/pip freeze --exclude-editable | sed 's/^torch==2.13.0+cpu$$/torch==2.13.0/' > constraints.txt
+	{ grep '^#' constraints.txt; /tmp/titan-lock/bin/pip freeze --exclude-editable \
+		| sed 's/^torch==2.13.0+cpu$$/torch==2.13.0/'; } > /tmp/titan-lock/constraints.txt
+	mv /tmp/titan-lock/constraints.txt constraints.txt
 
 clean-data:
 	find data -type f ! -name .gitkeep -delete

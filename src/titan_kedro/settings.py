@@ -1,5 +1,6 @@
 """Project settings. See https://docs.kedro.org/en/stable/kedro_project_setup/settings.html."""
 
+import os
 import warnings
 
 from kedro.config import OmegaConfigLoader
@@ -11,6 +12,7 @@ from titan_kedro.hooks import (
     MlflowRunTagsHook,
     ValidateJobConfigHook,
 )
+from titan_kedro.launch.secrets import redact
 
 # Deprecation noise from Kedro's and kedro-mlflow's own resolver registration; nothing a
 # user of this project can act on.
@@ -33,3 +35,8 @@ CONFIG_LOADER_ARGS = {
     # Lets mlflow.yml read MLFLOW_TRACKING_URI (Kedro only enables oc.env for credentials).
     "custom_resolvers": {"oc.env": oc.env},
 }
+
+# MLflow prints the run's URL, tracking URI included, when a run ends: not a URI that holds
+# credentials (launch/secrets.py).
+if redact(os.environ.get("MLFLOW_TRACKING_URI", "")) != os.environ.get("MLFLOW_TRACKING_URI", ""):
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")

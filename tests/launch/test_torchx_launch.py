@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -37,6 +38,8 @@ SCHEDULER_ARGS = {
     "kubernetes": {
         "queue": "default",
         "namespace": "ml",
+        "validate_spec": False,  # torchx-nightly asks the API server otherwise
+        "mlflow_secret": "mlflow-credentials",
         "image": "registry.example/titan-kedro:1",
         "mounts": ["type=bind,src=/shared,dst=/shared"],
     },
@@ -54,8 +57,9 @@ def shared_job(root: Path, **launch: Any) -> dict[str, Any]:
 def test_unknown_scheduler_fails_listing_the_valid_ones() -> None:
     with pytest.raises(ValueError, match=r"launch\.scheduler") as err:
         build_job_config({"launch": {"scheduler": "slurmm"}})
-    for name in ("local", "local_cwd", "slurm", "kubernetes", "aws_batch"):
+    for name in ("local", "local_cwd", "local_docker", "slurm", "kubernetes"):
         assert name in str(err.value)
+    assert "aws_batch" not in str(err.value)  # removed from TorchX
 
 
 def test_appdef_is_dist_ddp_with_our_torchrun_command(tmp_path: Path) -> None:
@@ -106,7 +110,9 @@ def test_dry_run_writes_the_request_and_trains_nothing(
         "MLFLOW_RUN_ID", RUN_ENV["MLFLOW_RUN_ID"],
     ):  # fmt: skip
         assert needle in request, needle
-    assert "s3cret" not in request and "alice:***@mlflow.example" in request
+    # The nodes get the URI without credentials (they travel by name, see launch.secrets).
+    assert "s3cret" not in request and "alice" not in request
+    assert "https://mlflow.example:5000" in request and "@mlflow.example" not in request
     if scheduler == "slurm":
         assert "#SBATCH --job-name=train-0" in request and "--partition=gpu" in request
         assert "--gpus-per-task=8" in request and "${SLURM_JOB_NODELIST_HET_GROUP_0" in request
@@ -115,6 +121,8 @@ def test_dry_run_writes_the_request_and_trains_nothing(
         assert (
             "nvidia.com/gpu: '8'" in request and "image: registry.example/titan-kedro:1" in request
         )
+        # Every pod reads MLflow's credentials from the Secret, by name.
+        assert len(re.findall(r"secretRef:\s+name: mlflow-credentials", request)) == 2
     appdef = json.loads(Path(summary["appdef_file"]).read_text())
     assert appdef["roles"][0]["num_replicas"] == 2 and appdef["roles"][0]["resource"]["gpu"] == 8
     assert not (tmp_path / "job" / "summary.json").exists() and not (tmp_path / "ckpt").exists()
@@ -164,6 +172,7 @@ def test_remote_checks_name_the_setting_to_change(tmp_path: Path) -> None:
     prepare_job(build_job_config(no_mlflow), {"MLFLOW_TRACKING_URI": "sqlite:///mlflow.db"})
     k8s = shared_job(tmp_path, scheduler="kubernetes")
     assert "launch.scheduler_args.image" in problems(k8s)
+    assert "launch.scheduler_args.mlflow_secret" in problems(k8s)  # the URI holds a password
     cuda = {**job, "training": {**job["training"], "device": "cuda"}}
     cuda["launch"] = {**cuda["launch"], "nproc_per_node": 4}
     assert "launch.resources.gpus=4" in problems(cuda)

@@ -141,9 +141,7 @@ def test_continuing_a_run_a_live_writer_holds_is_refused_before_anything_starts(
     run_id = "0123456789abcdef0123456789abcdef"  # MLflow's id shape, checked on resume
     checkpoint = tmp_path / "ckpt" / run_id / "step-3"
     checkpoint.mkdir(parents=True)
-    (checkpoint / "metadata.json").write_text(
-        json.dumps({"step": 3, "math": {}, "run_id": run_id})
-    )
+    (checkpoint / "metadata.json").write_text(json.dumps({"step": 3, "math": {}, "run_id": run_id}))
     job = tiny_job(tmp_path, tokens, checkpoint={"resume": "latest"})
     with live_holder(checkpoint.parent) as holder, pytest.raises(RunFolderLockedError) as err:
         train_model({"vocab_size": 512}, {}, **job)

@@ -5,7 +5,8 @@ any TorchX scheduler (``local_cwd``, ``slurm``, ``kubernetes``, …) gets the Ap
 ``appdef.build_appdef``, submitted and followed by ``scheduler.run_job``; both follow
 their group with ``supervise``. A run folder that a live run trains into is refused first
 (``train.run_lock``), remote jobs are checked (``preflight``), and ``launch.dryrun``
-writes the request instead (``dryrun``).
+writes the request instead (``dryrun``). The nodes get the MLflow URI without
+credentials; those travel by name (``secrets``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from titan_kedro.launch.preflight import (
     with_absolute_paths,
 )
 from titan_kedro.launch.scheduler import run_job
+from titan_kedro.launch.secrets import node_env
 from titan_kedro.launch.torchrun import TrainingFailedError, launch_training, mlflow_env
 from titan_kedro.train.run_lock import RunFolderLockedError, check_run_folder
 
@@ -97,7 +99,9 @@ def launch_job(
     Args:
         cfg: The job config from :func:`prepare_job`.
         config_path: The job config file the workers load.
-        env: ``MLFLOW_RUN_ID`` / ``MLFLOW_TRACKING_URI`` (and anything else) for the workers.
+        env: ``MLFLOW_RUN_ID`` / ``MLFLOW_TRACKING_URI`` (and anything else) for the workers;
+            a TorchX job's nodes get the URI without credentials, which travel by name
+            (``secrets.node_env``).
         console: Where the workers' output is echoed (default ``sys.stdout``).
 
     Returns:
@@ -107,11 +111,13 @@ def launch_job(
         TrainingFailedError: The workers failed; the message holds the failing log tail.
     """
     local = cfg.launch.scheduler == LOCAL_SCHEDULER
+    nodes_env, credentials = node_env(env)
     if cfg.launch.dryrun:
-        app = None if local else build_appdef(cfg, config_path, env)
+        app = None if local else build_appdef(cfg, config_path, nodes_env)
         return write_dryrun(cfg, app, config_path, env)
     if local:
         launch_training(cfg, config_path, extra_env=env, console=console)
     else:
-        run_job(cfg, build_appdef(cfg, config_path, env), console=console)
+        app = build_appdef(cfg, config_path, nodes_env)
+        run_job(cfg, app, console=console, credentials=credentials)
     return None

@@ -31,8 +31,9 @@ HOST_SCHEDULERS = frozenset({LOCAL_CWD_SCHEDULER, "slurm"})
 """Schedulers that run this machine's environment (this interpreter, on shared storage for
 slurm); the others run ``python`` in ``scheduler_args.image`` (a container image; for
 ``ray`` its working directory)."""
-ROLE_ARGS = frozenset({"image", "mounts"})
-"""``launch.scheduler_args`` keys that set the role, not TorchX run options."""
+ROLE_ARGS = frozenset({"image", "mounts", "mlflow_secret"})
+"""``launch.scheduler_args`` keys that set the role, not TorchX run options (``mlflow_secret``:
+the Kubernetes Secret holding MLflow's credential variables, ``launch.secrets``)."""
 
 
 class _NoQuote(str):

@@ -10,23 +10,24 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from torchx.runner import get_runner
 from torchx.specs import AppDef
 
 from titan_kedro.config.schema import LOCAL_SCHEDULER
-from titan_kedro.launch.preflight import check_remote_launch, redact_tracking_uri
+from titan_kedro.launch.preflight import check_remote_launch
+from titan_kedro.launch.runner import get_runner
 from titan_kedro.launch.scheduler import dryrun_info, render_request, signals_restored
+from titan_kedro.launch.secrets import redact, tracking_secrets, with_secret_ref
 from titan_kedro.launch.torchrun import torchrun_command
 
 
 def appdef_json(app: AppDef, env: Mapping[str, str]) -> str:
-    """The AppDef as JSON (enums by name; the MLflow URI's password masked)."""
+    """The AppDef as JSON (enums by name; credentials masked)."""
 
     def _plain(value: Any) -> Any:
         return value.name if isinstance(value, enum.Enum) else str(value)
 
     text = json.dumps(dataclasses.asdict(app), indent=2, default=_plain)
-    return redact_tracking_uri(text, env)
+    return redact(text, tracking_secrets(env))
 
 
 def write_dryrun(
@@ -60,7 +61,7 @@ def write_dryrun(
         )
     else:
         with signals_restored(), get_runner() as runner:
-            info = dryrun_info(runner, app, launch)
+            info = with_secret_ref(dryrun_info(runner, app, launch), launch.scheduler_args)
         request.write_text(render_request(info, env) + "\n", encoding="utf-8")
         appdef_file = folder / "appdef.json"
         appdef_file.write_text(appdef_json(app, env) + "\n", encoding="utf-8")

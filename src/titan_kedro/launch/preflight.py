@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from titan_kedro.config.schema import LOCAL_CWD_SCHEDULER, LOCAL_SCHEDULER
 from titan_kedro.launch.appdef import HOST_SCHEDULERS
+from titan_kedro.launch.secrets import SECRET_ARG, redact, split_tracking_uri
 from titan_kedro.tracking.mlflow_logger import TRACKING_URI_ENV
 
 logger = logging.getLogger(__name__)
@@ -36,8 +37,19 @@ def is_remote(scheduler: str) -> bool:
     return scheduler not in THIS_MACHINE
 
 
+NOT_PATHS = frozenset({"never", "latest"})
+"""``checkpoint.resume`` values that name no path."""
+
+
+def _resume_path(resume: str) -> str | None:
+    """``checkpoint.resume`` if it is a path (a run id is a single name that is no folder here)."""
+    if resume in NOT_PATHS or ("/" not in resume and not os.path.exists(resume)):
+        return None
+    return resume
+
+
 def worker_paths(cfg: Any) -> dict[str, str]:
-    """Setting → path of every folder the workers read or write."""
+    """Setting → path of every file or folder a remote job reads or writes."""
     paths = {
         "job.dump_folder": cfg.job.dump_folder,
         "data.token_dir": cfg.data.token_dir,
@@ -45,6 +57,13 @@ def worker_paths(cfg: Any) -> dict[str, str]:
     }
     if cfg.checkpoint.enable:
         paths["checkpoint.folder"] = cfg.checkpoint.folder
+        resume = _resume_path(cfg.checkpoint.resume)
+        if resume:
+            paths["checkpoint.resume"] = resume
+    if cfg.checkpoint.initial_load_hf:
+        paths["checkpoint.initial_load_hf"] = cfg.checkpoint.initial_load_hf
+    if os.path.exists(cfg.tokenizer.name_or_path):  # a hub id is no path
+        paths["tokenizer.name_or_path"] = cfg.tokenizer.name_or_path
     if cfg.model.custom_model_path:
         paths["model.custom_model_path"] = cfg.model.custom_model_path
     return paths
@@ -61,21 +80,6 @@ def with_absolute_paths(cfg: Any) -> Any:
             name: getattr(cfg, name).model_copy(update=values) for name, values in update.items()
         }
     )
-
-
-def redact_uri(uri: str) -> str:
-    """``uri`` without a password (``https://user:***@host``)."""
-    parts = urlsplit(uri)
-    if parts.password is None:
-        return uri
-    netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return parts._replace(netloc=netloc).geturl()
-
-
-def redact_tracking_uri(text: str, env: Mapping[str, str]) -> str:
-    """``text`` with the MLflow tracking URI of ``env`` shown without its password."""
-    uri = env.get(TRACKING_URI_ENV)
-    return text.replace(uri, redact_uri(uri)) if uri else text
 
 
 def _under(path: str, folder: str) -> bool:
@@ -118,16 +122,33 @@ def _check_mlflow(cfg: Any, env: Mapping[str, str]) -> list[str]:
     else:
         return []
     return [
-        f"MLflow tracking URI {redact_uri(uri)} is a {kind} on this machine, but rank 0 of a "
+        f"MLflow tracking URI {redact(uri)} is a {kind} on this machine, but rank 0 of a "
         f"launch.scheduler={cfg.launch.scheduler} job logs from another one: set "
         "MLFLOW_TRACKING_URI (conf/base/mlflow.yml server.mlflow_tracking_uri) to an MLflow "
         "server every node reaches, or metrics.enable_mlflow=false"
     ]
 
 
+def _check_credentials(cfg: Any, env: Mapping[str, str]) -> list[str]:
+    """Kubernetes pods get MLflow's credentials from a Secret, never from the request."""
+    launch = cfg.launch
+    if launch.scheduler in HOST_SCHEDULERS or launch.scheduler_args.get(SECRET_ARG):
+        return []
+    found = split_tracking_uri(env.get(TRACKING_URI_ENV)).credentials
+    if not cfg.metrics.enable_mlflow or not found:
+        return []
+    return [
+        f"MLflow credentials ({', '.join(sorted(found))}) must not travel in the "
+        f"{launch.scheduler} request: create a Secret with those keys (kubectl create secret "
+        f"generic mlflow-credentials --from-literal=MLFLOW_TRACKING_PASSWORD=…) and set "
+        f"launch.scheduler_args.{SECRET_ARG} to its name"
+    ]
+
+
 def _check_role(cfg: Any) -> list[str]:
     launch = cfg.launch
     problems = []
+
     if launch.scheduler not in HOST_SCHEDULERS and not launch.scheduler_args.get("image"):
         problems.append(
             f"launch.scheduler={launch.scheduler} runs the workers in an image: set "
@@ -159,7 +180,12 @@ def remote_problems(cfg: Any, env: Mapping[str, str]) -> list[str]:
             sys.executable,
             shared,
         )
-    return [*_check_storage(cfg), *_check_mlflow(cfg, env), *_check_role(cfg)]
+    return [
+        *_check_storage(cfg),
+        *_check_mlflow(cfg, env),
+        *_check_credentials(cfg, env),
+        *_check_role(cfg),
+    ]
 
 
 def check_remote_launch(cfg: Any, env: Mapping[str, str], *, intro: str | None = None) -> None:

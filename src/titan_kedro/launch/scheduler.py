@@ -19,12 +19,19 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from torchx.runner import Runner, get_runner
+from torchx.runner import Runner
 from torchx.specs import AppDef, AppDryRunInfo, AppState, AppStatus
 
 from titan_kedro.config.schema import LOCAL_CWD_SCHEDULER
-from titan_kedro.launch.appdef import ROLE, ROLE_ARGS
-from titan_kedro.launch.preflight import redact_tracking_uri
+from titan_kedro.launch.appdef import HOST_SCHEDULERS, ROLE, ROLE_ARGS
+from titan_kedro.launch.runner import get_runner
+from titan_kedro.launch.secrets import (
+    exported,
+    redact,
+    secret_values,
+    tracking_secrets,
+    with_secret_ref,
+)
 from titan_kedro.launch.supervise import OutputFollower, supervise, wait_until
 from titan_kedro.launch.torchrun import (
     TrainingFailedError,
@@ -32,6 +39,7 @@ from titan_kedro.launch.torchrun import (
     new_failing_rank_log,
     run_dirs,
 )
+from titan_kedro.tracking.mlflow_logger import TRACKING_URI_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -97,12 +105,24 @@ def dryrun_info(runner: Runner, app: AppDef, launch: Any) -> AppDryRunInfo:
 
 
 def render_request(info: AppDryRunInfo, env: Mapping[str, str]) -> str:
-    """TorchX's rendering of the request, with the MLflow URI's password masked."""
-    text = str(info)
-    return redact_tracking_uri(text, env)
+    """TorchX's rendering of the request, credentials masked (``secrets.redact``)."""
+    return redact(str(info), tracking_secrets(env))
 
 
 def _failing_replica(status: AppStatus, tails: list[deque[str]]) -> int:
+    """The replica that failed first: its torchrun reports a failed worker ("Root Cause") and
+    was not stopped by a signal (Slurm stops the others once one fails); else the first the
+    scheduler marks failed; else one whose log shows an error."""
+
+    def says(k: int, text: str) -> bool:
+        return any(text in line for line in tails[k])
+
+    reported = [k for k in range(len(tails)) if says(k, "Root Cause")]
+    for k in reported:
+        if not says(k, "got signal"):
+            return k
+    if reported:
+        return reported[0]
     for role in status.roles:
         for replica in role.replicas:
             if replica.state == AppState.FAILED:
@@ -129,6 +149,7 @@ def run_job(
     *,
     console: IO[str] | None = None,
     poll_s: float | None = None,
+    credentials: Mapping[str, str] | None = None,
 ) -> str:
     """Submit ``app`` to ``cfg.launch.scheduler`` and wait until it succeeds.
 
@@ -137,6 +158,9 @@ def run_job(
         app: The job (``build_appdef``).
         console: Where the nodes' output is echoed (default ``sys.stdout``).
         poll_s: Seconds between status checks (default 0.5 on this machine, 5 remote).
+        credentials: MLflow's credential variables for the nodes (``secrets.node_env``):
+            exported by name from this process to ``sbatch`` (and ``local_cwd``), referenced
+            as the Secret ``launch.scheduler_args.mlflow_secret`` on Kubernetes.
 
     Returns:
         The TorchX app handle (``scheduler://session/app_id``).
@@ -151,14 +175,24 @@ def run_job(
     poll_s = poll_s or (0.5 if launch.scheduler == LOCAL_CWD_SCHEDULER else 5.0)
     log_dir = Path(launch.log_dir)
     before = run_dirs(log_dir)
+    credentials = dict(credentials or {})
+    secrets = secret_values(credentials)
     with signals_restored(), get_runner() as runner:
-        info = dryrun_info(runner, app, launch)
+        info = with_secret_ref(dryrun_info(runner, app, launch), launch.scheduler_args)
         _install_interrupt_handlers()
-        handle = runner.schedule(info)
+        # sbatch hands this process's environment to the job: the credentials by name, and
+        # the URI as the nodes get it (the user's own may hold them).
+        uri = {k: v for k, v in app.roles[0].env.items() if k == TRACKING_URI_ENV}
+        host = launch.scheduler in HOST_SCHEDULERS
+        with exported({**credentials, **uri} if host else {}):
+            handle = runner.schedule(info)
         logger.info("submitted %s (%d × %d workers)", handle, launch.nnodes, launch.nproc_per_node)
         follower = OutputFollower(
             [
-                lambda k=k: runner.log_lines(handle, ROLE, k, should_tail=True)
+                lambda k=k: (
+                    redact(line, secrets)
+                    for line in runner.log_lines(handle, ROLE, k, should_tail=True)
+                )
                 for k in range(launch.nnodes)
             ],
             console,
@@ -182,8 +216,11 @@ def run_job(
     )
     error = error_file_message(status.structured_error_msg if status is not None else "")
     raise TrainingFailedError(
-        f"training job {handle} {reason}. Worker logs: {log_dir}\n"
-        f"--- node {k} output (last {TAIL_LINES} lines) ---\n{replica_log}"
-        + (f"\n{rank_log}" if rank_log else "")
-        + (f"\n--- scheduler error ---\n{error}" if error else "")
+        redact(
+            f"training job {handle} {reason}. Worker logs: {log_dir}\n"
+            f"--- node {k} output (last {TAIL_LINES} lines) ---\n{replica_log}"
+            + (f"\n{rank_log}" if rank_log else "")
+            + (f"\n--- scheduler error ---\n{error}" if error else ""),
+            secrets,
+        )
     )

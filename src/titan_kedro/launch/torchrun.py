@@ -18,10 +18,11 @@ import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from titan_kedro.launch.secrets import redact, tracking_secrets
 from titan_kedro.launch.supervise import OutputFollower, supervise
 from titan_kedro.tracking.mlflow_logger import RUN_ID_ENV, TRACKING_URI_ENV
 from titan_kedro.train.parent_death import guarded_command
@@ -155,6 +156,8 @@ class TorchrunGroup:
     """torchrun's ``--log-dir``."""
     before: set[Path]
     """The run folders already in ``log_dir`` before this start."""
+    secrets: list[str] = field(default_factory=list)
+    """Credential values in the workers' environment, masked in echoed output and errors."""
 
 
 def start_torchrun(
@@ -189,7 +192,7 @@ def start_torchrun(
         guarded_command(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1, start_new_session=True,
     )  # fmt: skip
-    return TorchrunGroup(process, cmd, log_dir, before)
+    return TorchrunGroup(process, cmd, log_dir, before, tracking_secrets(env))
 
 
 def stop_torchrun(group: TorchrunGroup, grace_s: float = 20) -> None:
@@ -224,7 +227,9 @@ def follow_torchrun(
     proc = group.process
     assert proc.stdout is not None
     stdout = proc.stdout
-    follower = OutputFollower([lambda: stdout], console or sys.stdout)
+    follower = OutputFollower(
+        [lambda: (redact(line, group.secrets) for line in stdout)], console or sys.stdout
+    )
     rc, timed_out = supervise(
         proc.poll, lambda code: code is not None, lambda: stop_torchrun(group),
         timeout_s=timeout_s, poll_s=0.2,
@@ -240,8 +245,12 @@ def follow_torchrun(
         else f"exited with code {rc}"
     )
     raise TrainingFailedError(
-        f"training {reason}. Command: {' '.join(group.command)}\nWorker logs: {group.log_dir}\n"
-        + (worker_log or "--- torchrun output ---\n" + "\n".join(output.splitlines()[-60:]))
+        redact(
+            f"training {reason}. Command: {' '.join(group.command)}\n"
+            f"Worker logs: {group.log_dir}\n"
+            + (worker_log or "--- torchrun output ---\n" + "\n".join(output.splitlines()[-60:])),
+            group.secrets,
+        )
     )
 
 

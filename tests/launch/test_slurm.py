@@ -1,0 +1,359 @@
+"""Training through a real Slurm cluster: ``sbatch``, ``squeue --json`` and ``scancel``.
+
+They need the one-host test cluster of ``tests/cluster/slurm_up.sh`` (two slurmd nodes n1
+and n2 on this machine; ``.ci/run`` starts it) and fail, never skip, without it. MLflow is
+a server of ours on 127.0.0.1, reached by this machine's host name (a remote job refuses
+``localhost``) with a password in the URI, which must be found nowhere it could leak.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+from interrupt import interrupt_once_training
+from mlflow.tracking import MlflowClient
+from test_end_to_end import add_c4_sample, copy_project
+from test_torchx_launch import shared_job
+from train.helpers import write_token_dir
+
+from titan_kedro.config import build_job_config, dump_job_config
+from titan_kedro.launch import launch_job, prepare_job
+from titan_kedro.launch.appdef import free_port
+
+pytestmark = pytest.mark.slow
+
+HOST = socket.gethostname()
+PASSWORD = "s3cret-Pa55"
+TOKEN = "t0ken-Qx9"
+START_HINT = (
+    "the Slurm tests need the one-host test cluster: run `sudo tests/cluster/slurm_up.sh` "
+    "(installs Debian's slurmctld, slurmd, slurm-client and munge if missing, starts two "
+    "slurmd nodes n1/n2; `tests/cluster/slurm_up.sh --stop` stops it). .ci/run starts it."
+)
+STEPS = 4
+SLURM = (
+    "launch.scheduler=slurm,launch.nnodes=2,launch.nproc_per_node=1,launch.resources.cpus=1,"
+    "launch.shared_dir={project}"
+)
+TINY = f"training.steps={STEPS},checkpoint.interval=2,metrics.system_metrics_interval_s=0"
+
+
+def _require_cluster() -> None:
+    try:
+        out = subprocess.run(
+            ["sinfo", "--noheader", "--format=%n %t"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except FileNotFoundError:
+        pytest.fail(f"no sinfo on this machine. {START_HINT}")
+    states = dict(line.split()[:2] for line in out.stdout.splitlines() if line.strip())
+    usable = {"idle", "mix", "alloc"}
+    if out.returncode or not all(states.get(n) in usable for n in ("n1", "n2")):
+        pytest.fail(f"Slurm nodes n1/n2 not up ({out.stdout or out.stderr}). {START_HINT}")
+
+
+def _queued(job_id: str) -> list[str]:
+    """The job's components still pending or running (``squeue``'s default states)."""
+    out = subprocess.run(
+        ["squeue", "--noheader", "--jobs", job_id, "--states=PD,R,CG", "--format=%i %T"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    return out.stdout.split("\n")[:-1] if out.returncode == 0 else []
+
+
+def _job_ids(output: str) -> list[str]:
+    return [line.split("slurm://torchx/")[1].split()[0] for line in output.splitlines()
+            if "submitted slurm://torchx/" in line]  # fmt: skip
+
+
+@dataclass
+class Server:
+    port: int
+    client: MlflowClient
+
+    def uri(self, auth: str = f"alice:{PASSWORD}@") -> str:
+        return f"http://{auth}{HOST}:{self.port}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """An MLflow server of ours: bound to 127.0.0.1, answering to this host's name."""
+    _require_cluster()
+    root = tmp_path_factory.mktemp("mlflow_server")
+    port = free_port()
+    allowed = ",".join(f"{h}:{port}" for h in (HOST, "127.0.0.1", "localhost"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--workers", "1",
+         "--artifacts-destination", str(root / "artifacts"), "--allowed-hosts", allowed],
+        cwd=root, stdout=subprocess.DEVNULL, stderr=(root / "server.log").open("w"),
+    )  # fmt: skip
+    client = MlflowClient(f"http://{HOST}:{port}")
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            client.search_experiments(max_results=1)
+            break
+        except Exception:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"MLflow server did not start:\n{(root / 'server.log').read_text()}")
+            time.sleep(2)
+    yield Server(port, client)
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    project = copy_project(tmp_path_factory.mktemp("slurm") / "project")
+    add_c4_sample(project)
+    return project
+
+
+FULL = "data_processing,model_spec,training"
+TRAIN = "model_spec,training"  # the token files of an earlier run in the same project
+
+
+def kedro_run(
+    project: Path, uri: str, params: str, pipelines: str = TRAIN, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """``kedro run --env test`` of ``pipelines`` in ``project``, tracking to ``uri``."""
+    environ = {**os.environ, "MLFLOW_TRACKING_URI": uri, "KEDRO_DISABLE_TELEMETRY": "true", **env}
+    environ.pop("MLFLOW_RUN_ID", None)
+    return subprocess.run(
+        [sys.executable, "-m", "kedro", "run", "--env", "test",
+         "--pipelines", pipelines, "--params", params],
+        cwd=project, env=environ, capture_output=True, text=True, timeout=1200, check=False,
+    )  # fmt: skip
+
+
+@dataclass
+class SlurmRuns:
+    crashed: subprocess.CompletedProcess[str]
+    continued: subprocess.CompletedProcess[str]
+    job_ids: list[str]
+    slurm_run_id: str
+    run_ids: list[str]
+    reference: dict[int, float]
+
+
+@pytest.fixture(scope="module")
+def slurm_runs(server: Server, project: Path) -> SlurmRuns:
+    """2 nodes × 1 process through Slurm where rank 1 (node 1) crashes at step 3; that run
+    continued through Slurm with ``resume=latest``; then 1 node × 2 processes here."""
+    uri = server.uri()
+    slurm = f"{TINY},{SLURM.format(project=project)}"
+    crashed = kedro_run(
+        project, uri, slurm, FULL, TITAN_KEDRO_CRASH_AT_STEP="3", TITAN_KEDRO_CRASH_RANK="1"
+    )
+    continued = kedro_run(project, uri, f"{slurm},checkpoint.resume=latest")
+    local = kedro_run(project, uri, f"{TINY},launch.nproc_per_node=2")
+    assert local.returncode == 0, (local.stdout + local.stderr)[-6000:]
+    experiment = server.client.get_experiment_by_name("titan_kedro")
+    runs = server.client.search_runs(
+        [experiment.experiment_id], order_by=["attributes.start_time ASC"]
+    )
+    reference = {
+        m.step: m.value for m in server.client.get_metric_history(runs[-1].info.run_id, "loss")
+    }
+    assert sorted(reference) == list(range(1, STEPS + 1))
+    return SlurmRuns(
+        crashed,
+        continued,
+        _job_ids(crashed.stdout + crashed.stderr) + _job_ids(continued.stdout + continued.stderr),
+        runs[0].info.run_id,
+        [r.info.run_id for r in runs],
+        reference,
+    )
+
+
+def test_a_failed_replica_ends_the_run_naming_it_with_its_log_tail(slurm_runs: SlurmRuns) -> None:
+    out = slurm_runs.crashed.stdout + slurm_runs.crashed.stderr
+    assert slurm_runs.crashed.returncode != 0, out[-4000:]
+    assert "TrainingFailedError" in out and "ended FAILED" in out, out[-4000:]
+    # The rendezvous, not the Slurm replica index, places rank 1: the message must name the
+    # replica whose output holds the crash.
+    section = r"--- node (\d) output \(last \d+ lines\) ---\n(.*?)(?:\n(?:\[rank0\]: )*--- |\Z)"
+    named = re.search(section, out, re.S)
+    assert named, out[-4000:]
+    assert "[fault injection] rank 1 exits at step 3" in named.group(2), out[-4000:]
+    assert len(slurm_runs.job_ids) == 2 and not any(_queued(j) for j in slurm_runs.job_ids)
+
+
+def test_two_slurm_nodes_train_like_one_and_continue_the_same_run(
+    slurm_runs: SlurmRuns, server: Server
+) -> None:
+    out = slurm_runs.continued.stdout + slurm_runs.continued.stderr
+    assert slurm_runs.continued.returncode == 0, out[-6000:]
+    assert len(slurm_runs.run_ids) == 2, "continuing must reopen the crashed run, not add one"
+    history = server.client.get_metric_history(slurm_runs.slurm_run_id, "loss")
+    assert {m.step for m in history} == set(range(1, STEPS + 1))
+    for m in history:  # steps 1-2 before the crash, 3-4 after continuing from step 2
+        assert abs(m.value - slurm_runs.reference[m.step]) <= 1e-4, (m.step, m.value)
+
+
+def _files_with(root: Path, secret: str) -> list[Path]:
+    found = []
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            try:
+                if secret.encode() in path.read_bytes():
+                    found.append(path)
+            except OSError:
+                continue
+    return found
+
+
+def _state_environment(job_id: str) -> dict[str, str]:
+    """The environment slurmctld keeps for the job (what ``sbatch`` exported)."""
+    config = subprocess.run(
+        ["scontrol", "show", "config"], capture_output=True, text=True, check=False
+    )
+    state = next(
+        line.split("=", 1)[1].strip()
+        for line in config.stdout.splitlines() if line.startswith("StateSaveLocation")
+    )  # fmt: skip
+    files = list(Path(state).glob(f"hash.*/job.{job_id}/environment"))
+    assert files, f"no stored environment for job {job_id} under {state}"
+    text = files[0].read_bytes().decode(errors="replace")
+    return dict(v.split("=", 1) for v in text.split("\0") if "=" in v)
+
+
+def test_the_password_is_found_nowhere(
+    slurm_runs: SlurmRuns, server: Server, project: Path
+) -> None:
+    outputs = [slurm_runs.crashed, slurm_runs.continued]
+    for proc in outputs:
+        assert PASSWORD not in proc.stdout + proc.stderr
+    assert _files_with(project, PASSWORD) == []
+    for job_id in slurm_runs.job_ids:
+        script = subprocess.run(
+            ["scontrol", "write", "batch_script", job_id, "-"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert script.returncode == 0 and "#SBATCH" in script.stdout, script.stderr
+        assert PASSWORD not in script.stdout and "alice" not in script.stdout
+        # The credentials travelled by name in the submitter's environment, the URI clean.
+        env = _state_environment(job_id)
+        assert env["MLFLOW_TRACKING_PASSWORD"] == PASSWORD
+        assert env["MLFLOW_TRACKING_USERNAME"] == "alice"
+        assert env["MLFLOW_TRACKING_URI"] == server.uri(auth="")
+    for run_id in slurm_runs.run_ids:
+        data = server.client.get_run(run_id).data
+        fields = json.dumps([data.params, data.tags, sorted(data.metrics)])
+        assert PASSWORD not in fields and "alice" not in fields
+
+
+def test_sigint_cancels_the_slurm_job_and_leaves_no_worker(server: Server, project: Path) -> None:
+    params = f"training.steps=100000,{SLURM.format(project=project)}"
+    environ = {**os.environ, "MLFLOW_TRACKING_URI": server.uri(), "KEDRO_DISABLE_TELEMETRY": "true"}
+    environ.pop("MLFLOW_RUN_ID", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kedro", "run", "--env", "test",
+         "--pipelines", TRAIN, "--params", params],
+        cwd=project, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+    def job() -> tuple[list[psutil.Process], list[psutil.Process]]:
+        workers = _workers(project)
+        return _agents(project) + workers, workers
+
+    output, family = interrupt_once_training(proc, job, start_timeout_s=600, exit_timeout_s=180)
+    assert proc.returncode != 0 and "cancelling" in output, output[-4000:]
+    (job_id,) = _job_ids(output)
+    assert _queued(job_id) == [], "the job is still in the queue"
+    _, alive = psutil.wait_procs(family, timeout=60)
+    assert not alive, [p.cmdline() for p in alive]
+
+
+def _processes(project: Path, *, agent: bool) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "titan_kedro.train" in cmd and any(str(project) in a for a in cmd):
+            if ("torch.distributed.run" in cmd) == agent:
+                found.append(p)
+    return found
+
+
+def _workers(project: Path) -> list[psutil.Process]:
+    return _processes(project, agent=False)
+
+
+def _agents(project: Path) -> list[psutil.Process]:
+    return _processes(project, agent=True)
+
+
+def _tiny_slurm_job(root: Path, **launch: object) -> dict[str, object]:
+    job = shared_job(root, scheduler="slurm", nnodes=2, nproc_per_node=1, **launch)
+    job["launch"]["resources"] = {"cpus": 1}
+    job["metrics"] = {**job["metrics"], "system_metrics_interval_s": 0}
+    job["checkpoint"] = {**job["checkpoint"], "enable": False}
+    return job
+
+
+def test_an_error_after_submission_cancels_a_token_uri_job_that_shows_no_token(
+    server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``?token=`` URI: the nodes log to MLflow without it; then an error of ours while
+    following the job (describing it fails once) cancels the job."""
+    from torchx.runner import Runner
+
+    monkeypatch.chdir(tmp_path)  # Slurm writes the replicas' logs into the submit folder
+    write_token_dir(tmp_path / "tokens", n_train=4000)
+    run = server.client.create_run(server.client.create_experiment("token-uri"))
+    env = {
+        "MLFLOW_RUN_ID": run.info.run_id,
+        "MLFLOW_TRACKING_URI": f"{server.uri(auth='')}/?token={TOKEN}",
+    }
+    job = _tiny_slurm_job(tmp_path)
+    job["training"] = {**job["training"], "steps": 100_000}
+    cfg = prepare_job(build_job_config(job), env)
+    handles: list[str] = []
+    status = Runner.status
+
+    def failing_status(self: Runner, handle: str) -> object:
+        handles.append(handle)
+        logged = server.client.get_metric_history(run.info.run_id, "loss")
+        if len(logged) >= 2 and not any(h == "raised" for h in handles):
+            handles.append("raised")  # once: cancelling asks for the state again
+            raise RuntimeError("injected: describing the job failed")
+        return status(self, handle)
+
+    monkeypatch.setattr(Runner, "status", failing_status)
+    console = io.StringIO()
+    with pytest.raises(RuntimeError, match="injected"):
+        launch_job(
+            cfg, dump_job_config(cfg, tmp_path / "job" / "job_config.yaml"), env, console=console
+        )
+    monkeypatch.undo()
+    job_id = handles[0].rsplit("/", 1)[1]
+    assert _queued(job_id) == [], "the job is still in the queue"
+    assert TOKEN not in console.getvalue() and "[node 1]" in console.getvalue()
+    assert _files_with(tmp_path, TOKEN) == []
+    script = subprocess.run(
+        ["scontrol", "write", "batch_script", job_id, "-"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert "#SBATCH" in script.stdout and TOKEN not in script.stdout
+    assert _state_environment(job_id)["MLFLOW_TRACKING_TOKEN"] == TOKEN  # by name
+    data = server.client.get_run(run.info.run_id).data
+    assert TOKEN not in json.dumps([data.params, data.tags])
