@@ -131,6 +131,7 @@ def unregister_train_spec(name: str) -> None:
 def _load_builtin_specs() -> None:
     # Importing the model packages registers their specs.
     import titan_kedro.models.deepseek_v2
+    import titan_kedro.models.deepseek_v3
     import titan_kedro.models.llama3  # noqa: F401
 
 

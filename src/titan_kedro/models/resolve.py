@@ -58,6 +58,31 @@ def _drop_other_specs_extensions(raw: Mapping[str, Any], spec: TrainSpec) -> dic
     return cleaned
 
 
+def _copy_model_fields_into_overrides(cfg: JobConfig, spec: TrainSpec) -> None:
+    """A spec's own ``model``-section fields set to a value (e.g. DeepSeek-V3's
+    ``model.mtp_depth``) are shorthands for ``model.overrides``; copied there, they take
+    effect and count as maths settings like any override.
+
+    Raises:
+        ValueError: The field and ``model.overrides`` give different values.
+    """
+    extension = spec.extensions.get("model")
+    if extension is None:
+        return
+    overrides = dict(cfg.model.overrides)
+    for name in extension.model_fields:
+        value = getattr(cfg.model, name)
+        if value is None:
+            continue
+        if name in overrides and overrides[name] != value:
+            raise ValueError(
+                f"model.{name}={value!r} and model.overrides.{name}={overrides[name]!r} "
+                "disagree; set only one of them"
+            )
+        overrides[name] = value
+    cfg.model.overrides = overrides
+
+
 def resolve_job_config(raw: Mapping[str, Any], *, source: str = "parameters") -> ResolvedJob:
     """Validate ``raw`` against the base config plus the chosen train spec's extensions.
 
@@ -84,6 +109,7 @@ def resolve_job_config(raw: Mapping[str, Any], *, source: str = "parameters") ->
     raw = _drop_other_specs_extensions(raw, spec)
     cfg = build_job_config(raw, [spec.extensions], source=source)
     try:
+        _copy_model_fields_into_overrides(cfg, spec)
         args = spec.resolve_args(cfg.model.flavor, cfg.model.overrides)
         max_seq_len = getattr(args, "max_seq_len", None)
         if max_seq_len is not None and cfg.training.seq_len > max_seq_len:
