@@ -94,8 +94,12 @@ def resolve_job_config(raw: Mapping[str, Any], *, source: str = "parameters") ->
     Raises:
         ConfigError: With the key path, the value and how to fix it.
     """
+    # Only the keys that pick the spec: the spec's own model fields are checked with the rest.
+    model_raw = dict(raw).get("model") or {}
+    if isinstance(model_raw, Mapping):
+        model_raw = {k: v for k, v in model_raw.items() if k in ModelSection.model_fields}
     try:
-        model_section = ModelSection.model_validate(dict(raw).get("model") or {})
+        model_section = ModelSection.model_validate(model_raw)
     except ValidationError as err:
         raise ConfigError(
             format_validation_error(err, JobConfig, source).replace("'", "'model.", 1)
