@@ -167,7 +167,7 @@ def test_model_mtp_depth_is_an_override_and_conflicts_fail(
     assert resolved.config.model.overrides == {"mtp_depth": 1}  # a maths setting on resume
     assert resolved.config.training.mtp_loss_weight == pytest.approx(0.3)
     assert resolve_job_config(_raw()).model_args.mtp_depth == 0
-    with pytest.raises(ConfigError, match="model.mtp_depth=1 and model.overrides.mtp_depth=2"):
+    with pytest.raises(ConfigError, match=r"model\.mtp_depth=1 and model\.overrides\.mtp_depth=2"):
         resolve_job_config(_raw(mtp_depth=1, overrides={"mtp_depth": 2}))
     # An environment written for V3 stays usable for V2, which has no MTP (with a warning).
     with caplog.at_level(logging.WARNING):

@@ -36,15 +36,14 @@ def _drop_other_specs_extensions(raw: Mapping[str, Any], spec: TrainSpec) -> dic
     usable with ``--params model.name=llama3``; keys no spec knows are still rejected.
     """
     own = {(sec, name) for sec, ext in spec.extensions.items() for name in ext.model_fields}
-    others = {
-        (sec, name): other
-        for other in list_train_specs()
-        if other != spec.name
-        for sec, ext in get_train_spec(other).extensions.items()
-        for name in ext.model_fields
-    }
+    others: dict[tuple[str, str], list[str]] = {}
+    for other in list_train_specs():
+        if other != spec.name:
+            for sec, ext in get_train_spec(other).extensions.items():
+                for name in ext.model_fields:
+                    others.setdefault((sec, name), []).append(f"'{other}'")
     cleaned = dict(raw)
-    for (sec, name), other in others.items():
+    for (sec, name), adders in others.items():
         section = cleaned.get(sec)
         if (sec, name) in own or not isinstance(section, Mapping) or name not in section:
             continue
@@ -52,8 +51,8 @@ def _drop_other_specs_extensions(raw: Mapping[str, Any], spec: TrainSpec) -> dic
             continue
         cleaned[sec] = {k: v for k, v in section.items() if k != name}
         logger.warning(
-            "ignoring %s.%s: it is added by model '%s', and model '%s' does not use it",
-            sec, name, other, spec.name,
+            "ignoring %s.%s: it is added by model %s, and model '%s' does not use it",
+            sec, name, " / ".join(adders), spec.name,
         )  # fmt: skip
     return cleaned
 
