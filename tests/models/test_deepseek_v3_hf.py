@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from hf_model_helpers import YARN_SMALL, randomize_hf_deepseek
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from titan_kedro.models import get_train_spec
@@ -65,31 +66,8 @@ def _tiny_hf_config(**overrides: Any) -> DeepseekV3Config:
 
 def _random_hf_model(config: DeepseekV3Config) -> DeepseekV3ForCausalLM:
     torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                # Peaked router scores, so float noise cannot flip a near-tie between experts.
-                p.normal_(0.0, 1.0)
-            elif "layernorm" in name or name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.08)
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                # A trained correction bias: large enough to change which experts win.
-                buf.normal_(0.0, 0.3)
-    return model
+    return randomize_hf_deepseek(DeepseekV3ForCausalLM(config).float().eval())
 
-
-YARN_SMALL = {
-    "rope_type": "yarn",
-    "rope_theta": 10000.0,
-    "factor": 4.0,
-    "original_max_position_embeddings": 32,
-    "beta_fast": 32,
-    "beta_slow": 1,
-}
 
 CASES = {
     "full-q_one-group_yarn": {
