@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_model_helpers import YARN_SMALL, randomize_hf_deepseek
+from hf_model_helpers import YARN_SMALL, assert_logits_match, randomize_hf_deepseek
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
 from titan_kedro.models import get_train_spec
@@ -133,16 +133,7 @@ def test_logits_match_transformers(case: str) -> None:
     model = SPEC.build_model(args).eval()
     model.load_state_dict(ADAPTER.from_hf(hf_model.state_dict()))
 
-    tokens = torch.randint(
-        0, config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1)
-    )
-    with torch.no_grad():
-        expected = hf_model(tokens).logits
-        ours = model(tokens)
-    assert ours.dtype == torch.float32 and ours.shape == expected.shape
-    assert (ours - expected).abs().max().item() <= 1e-4
-    # The comparison has teeth: the logits are far from trivial.
-    assert expected.std().item() > 0.1
+    assert_logits_match(hf_model, model, config.vocab_size)
 
 
 def test_group_limited_routing_changes_the_output() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_model_helpers import YARN_SMALL, randomize_hf_deepseek
+from hf_model_helpers import YARN_SMALL, assert_logits_match, randomize_hf_deepseek
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from titan_kedro.models import get_train_spec
@@ -104,16 +104,7 @@ def test_logits_match_transformers(case: str) -> None:
     config = _tiny_hf_config(**CASES[case])
     hf_model = _random_hf_model(config)
     model = _ours(config, hf_model)
-    tokens = torch.randint(
-        0, config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1)
-    )
-    with torch.no_grad():
-        expected = hf_model(tokens).logits
-        ours = model(tokens)
-    assert ours.dtype == torch.float32 and ours.shape == expected.shape
-    assert (ours - expected).abs().max().item() <= 1e-4
-    # The comparison has teeth: the logits are far from trivial.
-    assert expected.std().item() > 0.1
+    assert_logits_match(hf_model, model, config.vocab_size)
 
 
 def test_the_correction_bias_and_the_groups_change_the_output() -> None:
