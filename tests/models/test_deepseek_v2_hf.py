@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from hf_model_helpers import YARN_SMALL, assert_logits_match, randomize_hf_deepseek
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
 from titan_kedro.models import get_train_spec
@@ -81,27 +82,8 @@ def _tiny_hf_config(**overrides: Any) -> DeepseekV2Config:
 
 def _random_hf_model(config: DeepseekV2Config) -> DeepseekV2ForCausalLM:
     torch.manual_seed(0)
-    model = DeepseekV2ForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                # Peaked router scores, so float noise cannot flip a near-tie between experts.
-                p.normal_(0.0, 1.0)
-            elif "layernorm" in name or name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.08)
-    return model
+    return randomize_hf_deepseek(DeepseekV2ForCausalLM(config).float().eval())
 
-
-YARN_SMALL = {
-    "rope_type": "yarn",
-    "rope_theta": 10000.0,
-    "factor": 4.0,
-    "original_max_position_embeddings": 32,
-    "beta_fast": 32,
-    "beta_slow": 1,
-}
 
 CASES = {
     "full-q_greedy": {},
@@ -151,16 +133,7 @@ def test_logits_match_transformers(case: str) -> None:
     model = SPEC.build_model(args).eval()
     model.load_state_dict(ADAPTER.from_hf(hf_model.state_dict()))
 
-    tokens = torch.randint(
-        0, config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1)
-    )
-    with torch.no_grad():
-        expected = hf_model(tokens).logits
-        ours = model(tokens)
-    assert ours.dtype == torch.float32 and ours.shape == expected.shape
-    assert (ours - expected).abs().max().item() <= 1e-4
-    # The comparison has teeth: the logits are far from trivial.
-    assert expected.std().item() > 0.1
+    assert_logits_match(hf_model, model, config.vocab_size)
 
 
 def test_group_limited_routing_changes_the_output() -> None:

@@ -51,6 +51,21 @@ def test_vocab_mismatch_fails_before_launch() -> None:
         check_vocab_fits({"vocab_size": 102400}, 512)
 
 
+def test_another_models_tokenizer_is_caught() -> None:
+    """DeepSeek-V2's tokenizer fits a DeepSeek-V3 model's ids, but is not its tokenizer."""
+    from titan_kedro.models import get_train_spec
+
+    v2_vocab = 100_002  # the offline DeepSeek-V2 tokenizer (tests/data/test_tokenizer.py)
+    v3_vocab = 128_815
+    v2_model = get_train_spec("deepseek_v2").flavors["debugmodel"].vocab_size
+    v3_model = get_train_spec("deepseek_v3").flavors["debugmodel"].vocab_size
+    check_vocab_fits({"vocab_size": v2_vocab}, v2_model)
+    check_vocab_fits({"vocab_size": v3_vocab}, v3_model)
+    v2_tokens = {"vocab_size": v2_vocab, "tokenizer": {"name": "deepseek-ai/DeepSeek-V2-Lite"}}
+    with pytest.raises(ValueError, match=r"DeepSeek-V2-Lite.*deepseek-ai/DeepSeek-V3"):
+        check_vocab_fits(v2_tokens, v3_model)
+
+
 @pytest.mark.slow
 def test_node_trains_on_two_processes_into_the_active_mlflow_run(tmp_path: Path) -> None:
     tokens = write_token_dir(tmp_path / "tokens")

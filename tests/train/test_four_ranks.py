@@ -1,7 +1,7 @@
 """Four ranks: EP nested in larger FSDP/HSDP groups, and resuming on another world size.
 
 FSDP 4 + EP 2, EP 4 and HSDP 2×2 + EP 2 must train exactly like one process that
-accumulates the same global batch; a run stopped after 3 steps on 2 ranks and continued
+accumulates the same global batch (DeepSeek-V2, and DeepSeek-V3 with MTP); a run stopped after 3 steps on 2 ranks and continued
 on 4 ranks (same global batch) must give the losses of an uninterrupted 2-rank run.
 """
 
@@ -31,31 +31,54 @@ LAYOUTS = {
 }
 
 
-def _moe_job(root: Path, tokens: Path, name: str, parallelism: dict[str, Any]) -> dict[str, Any]:
+# DeepSeek-V3 (sigmoid, group-limited routing with the correction bias, q-LoRA, one MTP
+# depth whose block is an MoE layer too): two steps suffice to carry a bias update over.
+MODELS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": {"model": {}, "steps": 3, "keys": ("loss", "grad_norm", "moe_aux_loss")},
+    "deepseek_v3": {
+        "model": {"mtp_depth": 1},
+        "steps": 2,
+        "keys": ("loss", "grad_norm", "moe_aux_loss", "mtp_loss"),
+    },
+}
+
+
+def _moe_job(
+    root: Path, tokens: Path, name: str, parallelism: dict[str, Any], model: str = "deepseek_v2"
+) -> dict[str, Any]:
     return tiny_job(
         root / name,
         tokens,
-        model={"name": "deepseek_v2", "custom_model_path": None, "overrides": TINY_DEEPSEEK},
-        training={"steps": 3, "global_batch_size": 8, "max_norm": 0.5},
+        model={
+            "name": model,
+            "custom_model_path": None,
+            "overrides": TINY_DEEPSEEK,
+            **MODELS[model]["model"],
+        },
+        training={"steps": MODELS[model]["steps"], "global_batch_size": 8, "max_norm": 0.5},
         parallelism=parallelism,
         checkpoint={"enable": False},
     )
 
 
-def test_four_rank_ep_layouts_train_like_one_process_with_accumulation(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", list(MODELS))
+def test_four_rank_ep_layouts_train_like_one_process_with_accumulation(
+    tmp_path: Path, model: str
+) -> None:
     tokens = write_token_dir(tmp_path / "tokens", n_train=4_000)
-    reference_job = _moe_job(tmp_path, tokens, "one", {})
+    steps = list(range(1, MODELS[model]["steps"] + 1))
+    reference_job = _moe_job(tmp_path, tokens, "one", {}, model)
     run_worker(reference_job, nproc=1)
     reference = read_metrics(reference_job["job"]["dump_folder"])
-    assert [row["step"] for row in reference] == [1, 2, 3]
+    assert [row["step"] for row in reference] == steps
     assert reference[-1]["loss"] < reference[0]["loss"]
     for name, parallelism in LAYOUTS.items():
-        job = _moe_job(tmp_path, tokens, name, parallelism)
+        job = _moe_job(tmp_path, tokens, name, parallelism, model)
         run_worker(job, nproc=4, timeout_s=300)
         rows = read_metrics(job["job"]["dump_folder"])
-        assert [row["step"] for row in rows] == [1, 2, 3], name
+        assert [row["step"] for row in rows] == steps, name
         for ours, theirs in zip(rows, reference, strict=True):
-            for key in ("loss", "grad_norm", "moe_aux_loss"):
+            for key in MODELS[model]["keys"]:
                 assert ours[key] == pytest.approx(theirs[key], rel=1e-5), (name, ours["step"], key)
 
 

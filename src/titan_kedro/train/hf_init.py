@@ -250,6 +250,17 @@ def _copy_weights(
     targets: dict[str, torch.Tensor] = {}
     for part in model_parts:
         targets.update(get_model_state_dict(part))
+    # Parts an HF folder never holds (DeepSeek-V3's multi-token prediction) stay fresh.
+    not_in_hf = getattr(spec.state_dict_adapter, "keys_not_in_hf", None)
+    fresh = set(not_in_hf(targets)) if not_in_hf else set()
+    if fresh:
+        log.warning(
+            "initial_load_hf: %d tensors (%s …) have no Hugging Face counterpart "
+            "(multi-token prediction) and keep their fresh initialisation",
+            len(fresh),
+            sorted(fresh)[0],
+        )
+        targets = {k: v for k, v in targets.items() if k not in fresh}
     missing, extra = sorted(set(targets) - set(ours)), sorted(set(ours) - set(targets))
     if missing or extra:
         raise HFInitError(

@@ -1,7 +1,7 @@
 """The training loop run by every torchrun worker.
 
 Per optimizer step: ``grad_accum_steps`` micro-batches (forward, cross-entropy + MoE
-auxiliary loss, backward of loss / accumulation), gradient clipping by the global norm,
+auxiliary loss + weighted multi-token-prediction loss (``mtp.py``), backward of loss / accumulation), gradient clipping by the global norm,
 a check that loss and norm are finite, the optimizer and LR-schedule steps, then the
 MoE bias update from the expert load summed over data-parallel ranks. Metrics (rank 0),
 validation and checkpoints follow at their configured intervals.
@@ -49,6 +49,7 @@ from titan_kedro.train.metrics import (
     memory_gib,
     peak_tflops,
 )
+from titan_kedro.train.mtp import mtp_loss, mtp_loss_weight
 from titan_kedro.train.parallel_dims import ParallelDims
 from titan_kedro.train.run_identity import checkpoint_metadata
 from titan_kedro.train.validation import capped_batches, mean_loss, perplexity
@@ -256,6 +257,8 @@ class Trainer:
         data_time = 0.0
         ce_sum = torch.zeros((), device=self.device)
         aux_sum = torch.zeros((), device=self.device)
+        mtp_sum = torch.zeros((), device=self.device)
+        has_mtp = False
         for _ in range(accum):
             start = time.perf_counter()
             inputs, labels = self._next_batch()
@@ -263,7 +266,12 @@ class Trainer:
             with self.mixed_precision():
                 output = model(inputs, **document_inputs(inputs, self.document_bos))
                 ce = self.loss_fn(output, labels)
+                mtp = mtp_loss(model, self.loss_fn, labels)
             loss = ce
+            if mtp is not None:
+                has_mtp = True
+                loss = loss + mtp_loss_weight(self.cfg) * mtp
+                mtp_sum += mtp.detach().float()
             if hasattr(model, "moe_aux_loss"):
                 aux = model.moe_aux_loss()
                 loss = loss + aux
@@ -290,6 +298,8 @@ class Trainer:
             "lr": lr,
             "data_time_s": data_time,
         }
+        if has_mtp:
+            metrics["mtp_loss"] = float(self._dp_mean(mtp_sum / accum))
         if hasattr(model, "moe_aux_loss"):
             metrics["moe_aux_loss"] = float(self._dp_mean(aux_sum / accum))
         if has_moe:

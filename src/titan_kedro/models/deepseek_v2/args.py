@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from titan_kedro.models.common import YarnRopeScaling
 
-TopkMethod = Literal["greedy", "group_limited_greedy"]
-_TOPK_METHODS = ("greedy", "group_limited_greedy")
+TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
+ScoringFunc = Literal["softmax", "sigmoid"]
 
 
 @dataclass(frozen=True)
@@ -65,13 +65,19 @@ class DeepSeekV2ModelArgs:
     """Shared experts per MoE layer (always active; fused into one FFN of n × width)."""
     num_experts_per_tok: int = 6
     """Routed experts chosen per token (top-k)."""
+    scoring_func: ScoringFunc = "softmax"
+    """Gate scores: ``softmax`` over the experts (DeepSeek-V2) or an independent
+    ``sigmoid`` per expert (DeepSeek-V3)."""
     topk_method: TopkMethod = "greedy"
     """``greedy``: top-k over all experts; ``group_limited_greedy``: top-k within the
-    ``topk_group`` best of ``n_group`` expert groups (device-limited routing)."""
+    ``topk_group`` best of ``n_group`` expert groups, a group worth its best expert
+    (DeepSeek-V2's device-limited routing); ``noaux_tc``: the same with a group worth the
+    sum of its two best bias-corrected scores, and the selection bias always applied
+    (DeepSeek-V3's node-limited routing)."""
     n_group: int = 1
     """Expert groups for group-limited routing (must divide ``n_routed_experts``)."""
     topk_group: int = 1
-    """Groups kept per token by group-limited routing (a group scores its best expert)."""
+    """Groups kept per token by group-limited routing."""
     norm_topk_prob: bool = False
     """Renormalize the top-k gate weights to sum to one, then apply ``routed_scaling_factor``
     (the DeepSeek-V3 order; V2's reference code skips the scaling when renormalizing, but
@@ -115,9 +121,16 @@ class DeepSeekV2ModelArgs:
         """Whether block ``layer_id`` uses the MoE FFN."""
         return layer_id >= self.first_k_dense_replace
 
+    family: ClassVar[str] = "DeepSeek-V2"
+    """Family name used in error messages."""
+    topk_methods: ClassVar[tuple[str, ...]] = ("greedy", "group_limited_greedy")
+    """The ``topk_method`` values this family's transformers counterpart has."""
+    scoring_funcs: ClassVar[tuple[str, ...]] = ("softmax",)
+    """The ``scoring_func`` values this family's transformers counterpart has."""
+
     def _validate(self) -> None:
         def fail(field: str, problem: str) -> None:
-            raise ValueError(f"DeepSeek-V2 model arg {field}={getattr(self, field)!r}: {problem}")
+            raise ValueError(f"{self.family} model arg {field}={getattr(self, field)!r}: {problem}")
 
         for name in (
             "vocab_size",
@@ -149,15 +162,27 @@ class DeepSeekV2ModelArgs:
             fail("qk_rope_head_dim", "must be even (RoPE rotates channel pairs)")
         if self.first_k_dense_replace > self.n_layers:
             fail("first_k_dense_replace", f"exceeds n_layers={self.n_layers}")
-        if self.topk_method not in _TOPK_METHODS:
-            fail("topk_method", f"must be one of {_TOPK_METHODS}")
+        if self.topk_method not in self.topk_methods:
+            fail(
+                "topk_method",
+                f"must be one of {self.topk_methods} (the other DeepSeek family "
+                "routes otherwise: choose model.name deepseek_v2 or deepseek_v3)",
+            )
+        if self.scoring_func not in self.scoring_funcs:
+            fail(
+                "scoring_func",
+                f"must be one of {self.scoring_funcs} (the other DeepSeek family "
+                "routes otherwise: choose model.name deepseek_v2 or deepseek_v3)",
+            )
         if self.num_experts_per_tok > self.n_routed_experts:
             fail("num_experts_per_tok", f"exceeds n_routed_experts={self.n_routed_experts}")
         if self.n_routed_experts % self.n_group:
             fail("n_group", f"must divide n_routed_experts={self.n_routed_experts}")
         if self.topk_group > self.n_group:
             fail("topk_group", f"exceeds n_group={self.n_group}")
-        if self.topk_method == "group_limited_greedy":
+        if self.topk_method == "noaux_tc" and self.n_routed_experts // self.n_group < 2:
+            fail("n_group", "leaves fewer than 2 experts per group (noaux_tc sums a group's top 2)")
+        if self.topk_method != "greedy":
             reachable = self.topk_group * (self.n_routed_experts // self.n_group)
             if self.num_experts_per_tok > reachable:
                 fail(

@@ -72,6 +72,21 @@ _EXPERT_SLOT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 class DeepSeekV2StateDictAdapter:
     """``StateDictAdapter`` for the ``deepseek_v2`` train spec."""
 
+    family = "DeepSeek-V2"
+    """Name in error messages."""
+    args_cls: type[DeepSeekV2ModelArgs] = DeepSeekV2ModelArgs
+    """The model-args class ``args_from_hf_config`` builds."""
+    layer_renames: Mapping[str, str] = _LAYER_RENAMES
+    """Per-layer HF suffix → ours."""
+    required_hf_values: Mapping[str, Any] = {
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "scoring_func": "softmax",
+    }
+    """HF config values this implementation supports (a key may be absent)."""
+
     def args_from_hf_config(
         self, config: Any, *, max_seq_len: int | None = None
     ) -> DeepSeekV2ModelArgs:
@@ -85,17 +100,13 @@ class DeepSeekV2StateDictAdapter:
             ValueError: The config uses a feature this implementation does not have.
         """
         cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-        unsupported = {
-            "attention_bias": False,
-            "mlp_bias": False,
-            "hidden_act": "silu",
-            "tie_word_embeddings": False,
-            "scoring_func": "softmax",
-        }
-        for key, ours in unsupported.items():
+        return self.args_cls(**self._args_fields(cfg, max_seq_len))
+
+    def _args_fields(self, cfg: Mapping[str, Any], max_seq_len: int | None) -> dict[str, Any]:
+        for key, ours in self.required_hf_values.items():
             if key in cfg and cfg[key] != ours:
                 raise ValueError(
-                    f"DeepSeek-V2 config has {key}={cfg[key]!r}; only {ours!r} is supported"
+                    f"{self.family} config has {key}={cfg[key]!r}; only {ours!r} is supported"
                 )
         kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
         if kv_heads != cfg["num_attention_heads"]:
@@ -104,12 +115,12 @@ class DeepSeekV2StateDictAdapter:
                 f"{cfg['num_attention_heads']}; MLA has one key/value head per query head"
             )
         if cfg.get("num_experts_per_tok") is None:
-            raise ValueError("DeepSeek-V2 config lacks num_experts_per_tok (routed top-k)")
+            raise ValueError(f"{self.family} config lacks num_experts_per_tok (routed top-k)")
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         kind = rope.get("rope_type", rope.get("type", "default"))
         rope_scaling = None if kind in ("default", None) else yarn_from_mapping(rope)
-        return DeepSeekV2ModelArgs(
+        return dict(
             vocab_size=cfg["vocab_size"],
             dim=cfg["hidden_size"],
             n_layers=cfg["num_hidden_layers"],
@@ -143,6 +154,17 @@ class DeepSeekV2StateDictAdapter:
         """A ``transformers.DeepseekV2Config`` describing the same network."""
         from transformers import DeepseekV2Config
 
+        return DeepseekV2Config(
+            **self._hf_config_fields(args),
+            topk_method=args.topk_method,
+            # Not fields of transformers' class, kept for DeepSeek's reference code.
+            aux_loss_alpha=args.aux_loss_alpha,
+            seq_aux=args.seq_aux,
+            scoring_func="softmax",
+        )
+
+    def _hf_config_fields(self, args: DeepSeekV2ModelArgs) -> dict[str, Any]:
+        """Config fields DeepSeek-V2 and V3 share in transformers."""
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
         if args.rope_scaling is not None:
             s = args.rope_scaling
@@ -157,7 +179,7 @@ class DeepSeekV2StateDictAdapter:
                 "mscale_all_dim": s.mscale_all_dim,
                 "truncate": s.truncate,
             }
-        return DeepseekV2Config(
+        return dict(
             vocab_size=args.vocab_size,
             hidden_size=args.dim,
             num_hidden_layers=args.n_layers,
@@ -177,17 +199,12 @@ class DeepSeekV2StateDictAdapter:
             n_routed_experts=args.n_routed_experts,
             n_shared_experts=args.n_shared_experts,
             num_experts_per_tok=args.num_experts_per_tok,
-            topk_method=args.topk_method,
             n_group=args.n_group,
             topk_group=args.topk_group,
             norm_topk_prob=args.norm_topk_prob,
             routed_scaling_factor=args.routed_scaling_factor,
             initializer_range=args.initializer_range,
             tie_word_embeddings=False,
-            # Not fields of transformers' class, kept for DeepSeek's reference code.
-            aux_loss_alpha=args.aux_loss_alpha,
-            seq_aux=args.seq_aux,
-            scoring_func="softmax",
         )
 
     def from_hf(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -204,11 +221,11 @@ class DeepSeekV2StateDictAdapter:
                 continue
             match = _HF_LAYER.match(key)
             if match is None:
-                raise KeyError(f"unexpected Hugging Face key '{key}' for DeepSeek-V2")
+                raise KeyError(f"unexpected Hugging Face key '{key}' for {self.family}")
             layer, rest = match.groups()
             prefix = f"layers.{layer}."
-            if rest in _LAYER_RENAMES:
-                out[prefix + _LAYER_RENAMES[rest]] = value
+            if rest in self.layer_renames:
+                out[prefix + self.layer_renames[rest]] = value
             elif rest == "mlp.experts.gate_up_proj":
                 w1, w3 = value.chunk(2, dim=1)
                 out[prefix + "moe.experts.w1"], out[prefix + "moe.experts.w3"] = w1, w3
@@ -216,9 +233,11 @@ class DeepSeekV2StateDictAdapter:
                 index, proj = expert.groups()
                 per_expert.setdefault((int(layer), _EXPERT_SLOT[proj]), {})[int(index)] = value
             else:
-                raise KeyError(f"unexpected Hugging Face key '{key}' for DeepSeek-V2")
+                raise KeyError(f"unexpected Hugging Face key '{key}' for {self.family}")
             if rest == "mlp.gate.weight":
-                out[prefix + "moe.expert_bias"] = torch.zeros(value.shape[0], device=value.device)
+                out.setdefault(
+                    prefix + "moe.expert_bias", torch.zeros(value.shape[0], device=value.device)
+                )
         for (layer, slot), experts in per_expert.items():
             if sorted(experts) != list(range(len(experts))):
                 raise KeyError(f"layer {layer}: routed experts {sorted(experts)} are not 0..n-1")
@@ -234,7 +253,7 @@ class DeepSeekV2StateDictAdapter:
             KeyError: A key has no counterpart (the message names it).
         """
         reverse_top = {ours: hf for hf, ours in _TOP_RENAMES.items()}
-        reverse_layer = {ours: hf for hf, ours in _LAYER_RENAMES.items()}
+        reverse_layer = {ours: hf for hf, ours in self.layer_renames.items()}
         out: dict[str, Any] = {}
         for key, value in state_dict.items():
             if key in reverse_top:
@@ -242,7 +261,7 @@ class DeepSeekV2StateDictAdapter:
                 continue
             match = _OUR_LAYER.match(key)
             if match is None:
-                raise KeyError(f"unexpected DeepSeek-V2 key '{key}'; no Hugging Face name")
+                raise KeyError(f"unexpected {self.family} key '{key}'; no Hugging Face name")
             layer, rest = match.groups()
             prefix = f"model.layers.{layer}."
             if rest in reverse_layer:
@@ -261,5 +280,5 @@ class DeepSeekV2StateDictAdapter:
                         layer,
                     )
             else:
-                raise KeyError(f"unexpected DeepSeek-V2 key '{key}'; no Hugging Face name")
+                raise KeyError(f"unexpected {self.family} key '{key}'; no Hugging Face name")
         return out

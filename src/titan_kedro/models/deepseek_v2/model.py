@@ -174,11 +174,22 @@ class DeepSeekV2Model(RotaryTableModule):
                 ``common.document_positions`` they restart at every document.
             document_ids: ``[b, s]``; when given a token attends only within its document.
         """
-        h = self.tok_embeddings(tokens)
+        embeddings = self.tok_embeddings(tokens)
         freqs_cis, mask = rotations_and_mask(self.freqs_cis, tokens, positions, document_ids)
-        for layer in self.layers.values():
-            h = layer(h, freqs_cis, mask)
+        h = embeddings
+        for layer_index in range(self.args.n_layers):
+            h = self.layers[str(layer_index)](h, freqs_cis, mask)
+        self._after_layers(h, embeddings, positions, document_ids)
         return self.output(self.norm(h)).float()
+
+    def _after_layers(
+        self,
+        h: torch.Tensor,
+        embeddings: torch.Tensor,
+        positions: torch.Tensor | None,
+        document_ids: torch.Tensor | None,
+    ) -> None:
+        """Hook for subclasses with extra heads on the last hidden state (DeepSeek-V3's MTP)."""
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:

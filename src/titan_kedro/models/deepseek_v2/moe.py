@@ -26,13 +26,19 @@ _GROUPED_MM_STRIDE_BYTES = 16
 
 
 class TokenChoiceTopKRouter(nn.Module):
-    """Softmax gate choosing ``top_k`` experts per token (greedy or group-limited)."""
+    """Gate choosing ``top_k`` experts per token.
+
+    Scores are a softmax over the experts (DeepSeek-V2) or a sigmoid per expert
+    (DeepSeek-V3, ``scoring_func``). Selection is greedy or group-limited
+    (``topk_method``); the aux-loss-free bias shifts the scores used for choosing only.
+    """
 
     def __init__(self, args: DeepSeekV2ModelArgs) -> None:
         super().__init__()
         self.num_experts = args.n_routed_experts
         self.top_k = args.num_experts_per_tok
-        self.group_limited = args.topk_method == "group_limited_greedy"
+        self.sigmoid = args.scoring_func == "sigmoid"
+        self.topk_method = args.topk_method
         self.n_group = args.n_group
         self.topk_group = args.topk_group
         self.norm_topk_prob = args.norm_topk_prob
@@ -50,27 +56,35 @@ class TokenChoiceTopKRouter(nn.Module):
                 for choosing experts only; None when that balancing is off.
 
         Returns:
-            ``top_scores`` ``[tokens, top_k]`` float32 gate weights (normalized if
-            ``norm_topk_prob``, times ``routed_scaling_factor``), ``selected_experts``
-            ``[tokens, top_k]`` and the full softmax ``scores`` ``[tokens, experts]``
-            (for the balance loss).
+            ``top_scores`` ``[tokens, top_k]`` float32 gate weights from the unbiased
+            scores (normalized if ``norm_topk_prob``, times ``routed_scaling_factor``),
+            ``selected_experts`` ``[tokens, top_k]`` and the balance-loss probabilities
+            ``[tokens, experts]`` (the softmax, or the sigmoid scores normalized to sum
+            to one per token as in DeepSeek-V3's sequence-wise loss).
         """
         # The gate runs in float32 whatever the compute dtype, as in DeepSeek's code.
-        scores = F.linear(x.float(), self.gate.weight.float()).softmax(dim=-1)
+        logits = F.linear(x.float(), self.gate.weight.float())
+        scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
         choice = scores if expert_bias is None else scores + expert_bias
-        if self.group_limited:
+        if self.topk_method != "greedy":
             choice = self._mask_to_best_groups(choice)
         selected = choice.topk(self.top_k, dim=-1, sorted=False).indices
         top_scores = scores.gather(1, selected)
         if self.norm_topk_prob:
             top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
-        return top_scores * self.routed_scaling_factor, selected, scores
+        probs = scores / scores.sum(dim=-1, keepdim=True) if self.sigmoid else scores
+        return top_scores * self.routed_scaling_factor, selected, probs
 
     def _mask_to_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
-        # Device-limited routing: a group is worth its best expert; keep the topk_group best.
+        # Device/node-limited routing: keep the topk_group best groups, a group worth its
+        # best expert (V2) or the sum of its two best (V3's noaux_tc).
         tokens = choice.shape[0]
         grouped = choice.view(tokens, self.n_group, -1)
-        best = grouped.amax(dim=-1).topk(self.topk_group, dim=-1, sorted=False).indices
+        if self.topk_method == "noaux_tc":
+            worth = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            worth = grouped.amax(dim=-1)
+        best = worth.topk(self.topk_group, dim=-1, sorted=False).indices
         keep = torch.zeros(tokens, self.n_group, dtype=torch.bool, device=choice.device)
         keep.scatter_(1, best, True)
         return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, -1)
@@ -204,6 +218,8 @@ class MoE(nn.Module):
         self.aux_loss_alpha = args.aux_loss_alpha
         self.seq_aux = args.seq_aux
         self.bias_update_speed = args.load_balance_bias_update_speed
+        # DeepSeek-V3 routing always adds its (possibly trained or loaded) correction bias.
+        self.always_bias = args.topk_method == "noaux_tc"
         self.router = TokenChoiceTopKRouter(args)
         self.experts = GroupedExperts(
             args.dim, args.moe_intermediate_size, args.n_routed_experts, args.use_grouped_mm
@@ -220,7 +236,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
         tokens = x.reshape(-1, dim)
-        bias = self.expert_bias if self.bias_update_speed > 0 else None
+        bias = self.expert_bias if self.always_bias or self.bias_update_speed > 0 else None
         top_scores, selected, scores = self.router(tokens, bias)
         num_tokens_per_expert = torch.bincount(selected.flatten(), minlength=self.num_experts)
         if not _recomputing():
@@ -261,11 +277,12 @@ class MoE(nn.Module):
     def balance_loss(
         self, scores: torch.Tensor, selected: torch.Tensor, batch: int
     ) -> torch.Tensor:
-        """DeepSeek-V2 expert-level balance loss ``α Σ_i f_i P_i``.
+        """Expert-level balance loss ``α Σ_i f_i P_i`` (DeepSeek-V2 §2.2.3, V3 eq. 17-20).
 
         ``f_i = E / (K T) · (tokens choosing expert i)`` and ``P_i`` is the mean router
-        probability of expert ``i`` over the ``T`` tokens; per sequence and averaged when
-        ``seq_aux``, else over the whole micro-batch. It is 1·α when routing is uniform.
+        probability of expert ``i`` over the ``T`` tokens (``scores`` as the router
+        returns them); per sequence and averaged when ``seq_aux`` (V3's sequence-wise
+        loss), else over the whole micro-batch. It is 1·α when routing is uniform.
         """
         groups = batch if self.seq_aux else 1
         scores = scores.view(groups, -1, self.num_experts)

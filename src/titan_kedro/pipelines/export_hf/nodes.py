@@ -82,6 +82,12 @@ def export_final_model(
         "vocab_size": getattr(resolved.model_args, "vocab_size", None),
         "tokenizer_vocab_size": tok.vocab_size,
     }
+    mtp_depth = getattr(resolved.model_args, "mtp_depth", 0)
+    if mtp_depth:
+        manifest["not_exported"] = (
+            f"{mtp_depth} multi-token-prediction module(s): transformers does not load MTP "
+            "layers, so the folder holds the main model only"
+        )
     if settings.verify:
         tokens = np.asarray(token_files["validation"][: settings.verify_tokens], dtype=np.int64)
         diff = hf_export.compare_logits(folder, final_model.model, torch.from_numpy(tokens)[None])
