@@ -7,10 +7,11 @@ import itertools
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from torchx.specs import AppState, AppStatus
+from torchx.specs import AppDef, AppState, AppStatus, Role
 
 from titan_kedro.config import build_job_config
 from titan_kedro.launch import scheduler
@@ -77,10 +78,10 @@ class _CancelFails:
     def scheduler_run_opts(self, name: str) -> list[tuple[str, Any]]:
         return [("log_dir", None)]
 
-    def dryrun(self, app: Any, name: str, cfg: Any) -> str:
-        return "request"
+    def dryrun(self, app: Any, name: str, cfg: Any) -> Any:
+        return SimpleNamespace(request="request")
 
-    def schedule(self, info: str) -> str:
+    def schedule(self, info: Any) -> str:
         return "local_cwd://session/job"
 
     def log_lines(self, *args: Any, **kwargs: Any) -> Iterator[str]:
@@ -104,6 +105,7 @@ def test_run_job_re_raises_the_interrupt_when_cancel_fails(
     monkeypatch.setattr(scheduler, "get_runner", _CancelFails)
     cfg = build_job_config({"launch": {"scheduler": "local_cwd", "log_dir": str(tmp_path)}})
     with pytest.raises(KeyboardInterrupt, match="SIGTERM") as err:
-        scheduler.run_job(cfg, app=None, console=io.StringIO(), poll_s=0.01)  # type: ignore[arg-type]
+        app = AppDef("job", roles=[Role("train", image="", entrypoint="true")])
+        scheduler.run_job(cfg, app=app, console=io.StringIO(), poll_s=0.01)
     assert _CancelFails.cancelled == 1
     assert "ConnectionError('the scheduler is unreachable')" in " ".join(err.value.__notes__)

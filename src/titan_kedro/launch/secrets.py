@@ -182,8 +182,10 @@ def with_secret_ref(info: Any, scheduler_args: Mapping[str, Any]) -> Any:
     """``info`` (a TorchX dry run) whose Kubernetes containers read the Secret named by
     ``scheduler_args["mlflow_secret"]`` into their environment (``envFrom``); else as is."""
     name = scheduler_args.get(SECRET_ARG)
+    if not name:
+        return info
     resource = getattr(info.request, "resource", None)
-    if not name or not isinstance(resource, dict):
+    if not isinstance(resource, dict):
         return info
     from kubernetes.client import V1EnvFromSource, V1SecretEnvSource
 
