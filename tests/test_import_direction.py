@@ -11,7 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "titan_kedro"
-LIBRARY = ("config", "components", "data", "models", "train", "plan", "launch", "tracking")
+LIBRARY = ("config", "components", "data", "models", "train", "plan", "launch", "tracking", "ft")
 
 
 def _imports(path: Path) -> set[str]:

@@ -1,6 +1,7 @@
 """Launch the training job: torchrun on this machine, or one torchrun per node via TorchX.
 
-``launch.scheduler: local`` runs ``train.launch.launch_training``; any TorchX scheduler
+``launch.scheduler: local`` runs ``train.launch.launch_training`` (with
+``fault_tolerance.enable``: ``replica_groups.launch_replica_groups``); any TorchX scheduler
 (``local_cwd``, ``slurm``, ``kubernetes``, …) gets the AppDef of ``appdef.build_appdef``,
 submitted and followed by ``scheduler.run_job``. Remote jobs are checked first
 (``preflight``); ``launch.dryrun`` writes the request instead (``dryrun``).
@@ -21,6 +22,7 @@ from titan_kedro.launch.preflight import (
     is_remote,
     with_absolute_paths,
 )
+from titan_kedro.launch.replica_groups import launch_replica_groups
 from titan_kedro.launch.scheduler import run_job
 from titan_kedro.train.launch import launch_training
 
@@ -75,7 +77,9 @@ def launch_job(
     if cfg.launch.dryrun:
         app = None if local else build_appdef(cfg, config_path, env)
         return write_dryrun(cfg, app, config_path, env)
-    if local:
+    if cfg.fault_tolerance.enable:  # G torchrun groups here (the config refuses other schedulers)
+        launch_replica_groups(cfg, config_path, extra_env=env, console=console)
+    elif local:
         launch_training(cfg, config_path, extra_env=env, console=console)
     else:
         run_job(cfg, build_appdef(cfg, config_path, env), console=console)
