@@ -20,6 +20,7 @@ date) is the leader: its rank 0 logs metrics, writes the summary and saves check
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -33,6 +34,9 @@ from titan_kedro.ft.identity import ReplicaIdentity, replica_name
 from titan_kedro.ft.transport import JsonPGTransport
 
 logger = logging.getLogger(__name__)
+
+DEGRADED_DELAY_ENV = "TITAN_KEDRO_DEGRADED_STEP_DELAY_S"
+"""Test-only: seconds each step sleeps while fewer than all groups take part."""
 
 
 def _recording(base: type) -> type:
@@ -113,6 +117,8 @@ class ReplicaGroupFT:
         self._heal_started: float | None = None
         self.heal_s = 0.0
         self._heal_report = torch.zeros(2)
+        # A restarted group's first quorum must include a live peer (it has nothing to train from).
+        self._needs_peer = self.identity.attempt > 0
         self.skipped_samples = 0
         timeout = timedelta(seconds=ft.step_timeout_s)
         self.pg = _cross_group_pg(device, timeout)
@@ -161,6 +167,15 @@ class ReplicaGroupFT:
         self._heal_started = time.perf_counter()
         self.manager.start_quorum()
         self._heal_started = None
+        if self._needs_peer and self.participants < 2:
+            raise RuntimeError(
+                f"replica group {self.identity.replica_id} was restarted (attempt "
+                f"{self.identity.attempt}) but found no live group to heal from; the others have "
+                "finished or died, so it stops instead of training alone from its own state"
+            )
+        self._needs_peer = False
+        if self.participants < self.groups and os.environ.get(DEGRADED_DELAY_ENV):
+            time.sleep(float(os.environ[DEGRADED_DELAY_ENV]))  # tests only (train/faults.py)
 
     @property
     def participants(self) -> int:

@@ -169,6 +169,14 @@ class ReplicaGroupLauncher:
             group.finished = True
             self._echo(f"[group {group.replica_id}] finished\n")
             return
+        if any(g.finished for g in self.groups):
+            # A group finished the last step, so the job's steps are all done.
+            group.finished = True
+            self._echo(
+                f"[group {group.replica_id}] exited with code {rc} after another group finished "
+                "the run; not restarting it\n"
+            )
+            return
         alive = [g for g in self.groups if g is not group and not g.finished and g.proc
                  and g.proc.poll() is None]  # fmt: skip
         if not alive:

@@ -7,7 +7,10 @@ default 0). The rank calls ``os._exit`` before that step's forward pass, but onl
 With fault-tolerant replica groups, ``TITAN_KEDRO_CRASH_GROUP=<replica id>`` picks the
 group: that group's rank SIGKILLs itself (a machine lost, no handler runs), only on the
 group's first start (``TITAN_KEDRO_GROUP_ATTEMPT`` 0), so the restarted group heals and
-trains on. This is how restart, resume and healing are tested; never set it in real runs.
+trains on; ``TITAN_KEDRO_DEGRADED_STEP_DELAY_S`` (read by ``ft.replica``) slows the
+steps the live groups take without it, so they are still training when it returns (a
+real step takes minutes, a test's milliseconds). This is how restart, resume and healing
+are tested; never set them in real runs.
 """
 
 from __future__ import annotations

@@ -387,12 +387,12 @@ class Trainer:
             self.metrics.log_once({"peak_tflops": self.peak_tflops}, step=self.state.step)
         step_metrics: dict[str, Any] = {}
         while self.state.step < last_step:
-            step = self.state.step + 1
-            maybe_crash(step, self.rank)
+            maybe_crash(self.state.step + 1, self.rank)
             step_start = time.perf_counter()
             step_metrics = self.train_step()
             if not step_metrics:  # a fault-tolerant step that was not committed
                 continue
+            step = self.state.step + 1  # after train_step: healing may have moved it
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             step_time = time.perf_counter() - step_start
