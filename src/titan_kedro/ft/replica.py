@@ -19,11 +19,14 @@ date) is the leader: its rank 0 logs metrics, writes the summary and saves check
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titan_kedro.ft.identity import ReplicaIdentity, replica_name
-from titan_kedro.ft.transport import JsonPGTransport
+from titan_kedro.ft.transport import JsonPGTransport, encode_header
 
 logger = logging.getLogger(__name__)
 
@@ -253,6 +256,21 @@ class ReplicaGroupFT:
             metrics["ft/heal_s"] = float(heal[0] / heal[1])
             metrics["ft/healed_groups"] = float(heal[1])
         return metrics
+
+    def write_state_digest(self, folder: str | Path, group_rank: int, step: int) -> Path:
+        """Write the SHA-256 of this rank's full training state to ``folder``.
+
+        Replica groups in lock-step hold bitwise-equal states, so the files
+        ``replica-<g>-rank-<r>.json`` of one rank ``r`` must agree across groups ``g``.
+        """
+        header, tensors = encode_header(self._user_state(), step)
+        digest = hashlib.sha256(header)
+        for tensor in tensors:
+            digest.update(tensor.cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+        path = Path(folder) / f"replica-{self.identity.replica_id}-rank-{group_rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"step": step, "sha256": digest.hexdigest()}) + "\n")
+        return path
 
     def shutdown(self) -> None:
         """Stop the manager server and its threads."""

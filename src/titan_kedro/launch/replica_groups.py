@@ -147,6 +147,10 @@ class ReplicaGroupLauncher:
             time.monotonic() + self.cfg.launch.timeout_s if self.cfg.launch.timeout_s else None
         )
         self.lighthouses = Lighthouses.start(ft)
+        self._echo(
+            f"[ft] lighthouse {self.lighthouses.quorum_address}, startup barrier "
+            f"{self.lighthouses.startup_address}\n"
+        )
         try:
             for group in self.groups:
                 self._start(group)

@@ -438,6 +438,8 @@ class Trainer:
             "tokens_seen": self.state.tokens_seen,
             "wall_time_s": time.perf_counter() - start_time,
         }
+        if self.ft is not None:  # lets anyone check that the groups ended in lock-step
+            self.ft.write_state_digest(Path(cfg.job.dump_folder) / "ft", self.rank, self.state.step)
         if self.rank == 0 and (self.ft is None or self.ft.is_leader):
             write_summary(cfg.job.dump_folder, summary)
         return summary
