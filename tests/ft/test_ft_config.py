@@ -1,0 +1,62 @@
+"""The ``fault_tolerance`` section: refused layouts, the batch it implies, the data shard."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from titan_kedro.config import build_job_config
+from titan_kedro.ft.identity import replica_data_shard
+from titan_kedro.ft.transport import encode_header
+
+
+def _config(**sections: dict) -> object:
+    return build_job_config(sections, source="test")
+
+
+def test_one_group_is_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="no live peer to keep training or to heal from"):
+        _config(fault_tolerance={"enable": True, "replica_groups": 1})
+
+
+def test_replica_groups_and_hsdp_replicas_are_not_both_above_one() -> None:
+    with pytest.raises(ValueError, match="set data_parallel_replicate_degree: 1"):
+        _config(
+            fault_tolerance={"enable": True, "replica_groups": 2},
+            parallelism={"data_parallel_replicate_degree": 2},
+            launch={"nproc_per_node": 2},
+        )
+
+
+def test_min_replicas_above_the_groups_is_refused() -> None:
+    with pytest.raises(ValueError, match="no step could ever commit"):
+        _config(fault_tolerance={"enable": True, "replica_groups": 2, "min_replicas": 3})
+
+
+def test_groups_multiply_the_global_batch_like_hsdp_replicas() -> None:
+    ft = _config(
+        fault_tolerance={"enable": True, "replica_groups": 3},
+        launch={"nproc_per_node": 2},
+        training={"local_batch_size": 2, "global_batch_size": 24},
+    )
+    hsdp = _config(
+        parallelism={"data_parallel_replicate_degree": 3},
+        launch={"nproc_per_node": 6},
+        training={"local_batch_size": 2, "global_batch_size": 24},
+    )
+    assert (ft.dp_degree, ft.grad_accum_steps) == (hsdp.dp_degree, hsdp.grad_accum_steps) == (6, 2)
+    off = _config(fault_tolerance={"enable": False, "replica_groups": 3})
+    assert off.dp_degree == 1  # the section is ignored while disabled
+
+
+def test_groups_read_disjoint_shares_of_the_global_order() -> None:
+    shards = [replica_data_shard(g, 3, r, 2) for g in range(3) for r in range(2)]
+    assert shards == [(i, 6) for i in range(6)]
+
+
+def test_the_healing_header_carries_no_pickle_and_refuses_objects() -> None:
+    header, tensors = encode_header({"w": torch.ones(2, 3), "step": 4, "name": "x"}, step=4)
+    assert b"pickle" not in header and header.startswith(b"{")
+    assert [t.shape for t in tensors] == [torch.Size([2, 3])]
+    with pytest.raises(TypeError, match="only tensors and JSON scalars"):
+        encode_header({"bad": object()}, step=1)
