@@ -60,3 +60,15 @@ def test_the_healing_header_carries_no_pickle_and_refuses_objects() -> None:
     assert [t.shape for t in tensors] == [torch.Size([2, 3])]
     with pytest.raises(TypeError, match="only tensors and JSON scalars"):
         encode_header({"bad": object()}, step=1)
+
+
+def test_the_throughput_figure_gains_participants_over_time() -> None:
+    from titan_kedro.tracking import plots
+
+    rows = [{"step": s, "tps": 10.0, "mfu_pct": 1.0, "ft/participants": p}
+            for s, p in ((1, 2.0), (2, 1.0), (3, 1.0), (4, 2.0))]  # fmt: skip
+    axes = plots.plot_throughput(rows).axes
+    assert len(axes) == 3 and axes[2].get_ylabel() == "replica groups"
+    assert list(axes[2].lines[0].get_ydata()) == [2.0, 1.0, 1.0, 2.0]
+    plain = [{k: v for k, v in row.items() if k != "ft/participants"} for row in rows]
+    assert len(plots.plot_throughput(plain).axes) == 2
