@@ -35,7 +35,7 @@ import yaml
 from train_throughput import write_tokens
 
 from titan_kedro.config import dump_job_config
-from titan_kedro.launch.replica_groups import launch_replica_groups
+from titan_kedro.launch.replica_groups import ReplicaGroupLauncher
 from titan_kedro.models.resolve import resolve_job_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,7 +73,9 @@ def run(folder: Path, raw: dict[str, Any], *, ft: bool) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with (folder / "console.log").open("w") as console:
         if ft:
-            launch_replica_groups(cfg, config, console=console, extra_env={"OMP_NUM_THREADS": "1"})
+            ReplicaGroupLauncher(
+                cfg, config, console=console, extra_env={"OMP_NUM_THREADS": "1"}
+            ).run()
             return
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node=2", "-m", "titan_kedro.train", "--config", str(config)]  # fmt: skip

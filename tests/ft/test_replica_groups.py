@@ -153,13 +153,13 @@ def test_a_killed_group_restarts_heals_and_ends_equal(
 LAUNCHER = """
 import sys
 from titan_kedro.config import dump_job_config
-from titan_kedro.launch.replica_groups import launch_replica_groups
+from titan_kedro.launch.replica_groups import ReplicaGroupLauncher
 from titan_kedro.models.resolve import resolve_job_config
 import yaml
 
 raw = yaml.safe_load(open(sys.argv[1]))
 cfg = resolve_job_config(raw).config
-launch_replica_groups(cfg, dump_job_config(cfg, sys.argv[2]))
+ReplicaGroupLauncher(cfg, dump_job_config(cfg, sys.argv[2])).run()
 """
 
 

@@ -8,14 +8,13 @@
   another is still starting.
 
 Both are TorchFT's Rust ``LighthouseServer``; they stop with :meth:`Lighthouses.stop`
-(or the ``with`` block) and die with this process.
+and die with this process.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -76,14 +75,3 @@ class Lighthouses:
         servers, self._servers = self._servers, ()
         for server in servers:
             server.shutdown()
-
-    def __enter__(self) -> Lighthouses:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

@@ -1,7 +1,7 @@
 """Launch the training job: torchrun on this machine, or one torchrun per node via TorchX.
 
 ``launch.scheduler: local`` runs ``train.launch.launch_training`` (with
-``fault_tolerance.enable``: ``replica_groups.launch_replica_groups``); any TorchX scheduler
+``fault_tolerance.enable``: ``replica_groups.ReplicaGroupLauncher``); any TorchX scheduler
 (``local_cwd``, ``slurm``, ``kubernetes``, …) gets the AppDef of ``appdef.build_appdef``,
 submitted and followed by ``scheduler.run_job``. Remote jobs are checked first
 (``preflight``); ``launch.dryrun`` writes the request instead (``dryrun``).
@@ -22,7 +22,7 @@ from titan_kedro.launch.preflight import (
     is_remote,
     with_absolute_paths,
 )
-from titan_kedro.launch.replica_groups import launch_replica_groups
+from titan_kedro.launch.replica_groups import ReplicaGroupLauncher
 from titan_kedro.launch.scheduler import run_job
 from titan_kedro.train.launch import launch_training
 
@@ -78,7 +78,7 @@ def launch_job(
         app = None if local else build_appdef(cfg, config_path, env)
         return write_dryrun(cfg, app, config_path, env)
     if cfg.fault_tolerance.enable:  # G torchrun groups here (the config refuses other schedulers)
-        launch_replica_groups(cfg, config_path, extra_env=env, console=console)
+        ReplicaGroupLauncher(cfg, config_path, extra_env=env, console=console).run()
     elif local:
         launch_training(cfg, config_path, extra_env=env, console=console)
     else:

@@ -58,7 +58,7 @@ class GroupProcess:
 
 
 class ReplicaGroupLauncher:
-    """Start, watch and restart the replica groups of one job.
+    """Start, watch and restart the replica groups of one job (``run()`` to completion).
 
     Args:
         cfg: The job config (``launch``, ``fault_tolerance``).
@@ -205,19 +205,3 @@ class ReplicaGroupLauncher:
                 _kill_group(group.proc)
         if self.lighthouses is not None:
             self.lighthouses.stop()
-
-
-def launch_replica_groups(
-    cfg: Any,
-    config_path: str | Path,
-    *,
-    extra_env: Mapping[str, str] | None = None,
-    console: IO[str] | None = None,
-    cwd: str | Path | None = None,
-) -> None:
-    """Run a fault-tolerant job's replica groups here to completion (see the module doc).
-
-    Raises:
-        TrainingFailedError: The job could not finish; the message holds the failing log tail.
-    """
-    ReplicaGroupLauncher(cfg, config_path, extra_env=extra_env, console=console, cwd=cwd).run()
