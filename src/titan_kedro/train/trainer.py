@@ -312,6 +312,10 @@ class Trainer:
                 "latest; lower optimizer.lr or raise lr_scheduler.warmup_steps and resume)"
             )
         lr = self.optimizers.param_groups[0]["lr"]
+        # Every reduction happens before the commit vote, so all groups run the same ones.
+        aux_value = (
+            float(self._dp_mean(aux_sum / accum)) if hasattr(model, "moe_aux_loss") else None
+        )
         if has_moe:
             load = model.expert_load().detach().float().to(self.device)
             dist.all_reduce(load, group=self.dp_group)
@@ -329,8 +333,8 @@ class Trainer:
             "lr": lr,
             "data_time_s": data_time,
         }
-        if hasattr(model, "moe_aux_loss"):
-            metrics["moe_aux_loss"] = float(self._dp_mean(aux_sum / accum))
+        if aux_value is not None:
+            metrics["moe_aux_loss"] = aux_value
         if has_moe:
             model.update_expert_bias(load)
             metrics.update(expert_load_stats(load))
