@@ -38,6 +38,8 @@ from titan_kedro.ft.transport import JsonPGTransport, encode_header
 
 logger = logging.getLogger(__name__)
 
+MAX_UNCOMMITTED_STEPS = 10
+"""Consecutive steps that fail to commit before the group gives up (raises)."""
 DEGRADED_DELAY_ENV = "TITAN_KEDRO_DEGRADED_STEP_DELAY_S"
 """Test-only: seconds each step sleeps while fewer than all groups take part."""
 
@@ -138,7 +140,7 @@ class ReplicaGroupFT:
             lighthouse_addr=self.identity.lighthouse,
             checkpoint_transport=JsonPGTransport(self.pg, device, state_dict=self._state),
             init_sync=False,  # every group initialises the same weights from job.seed
-            max_retries=ft.max_group_restarts + 3,
+            max_retries=MAX_UNCOMMITTED_STEPS,
         )
         self.manager.load_state_dict({"step": start_step, "batches_committed": 0})
         if self.identity.attempt == 0 and self.identity.startup_lighthouse:
