@@ -19,12 +19,13 @@ date) is the leader: its rank 0 logs metrics, writes the summary and saves check
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from titan_kedro.ft.transport import JsonPGTransport, encode_header
 
 logger = logging.getLogger(__name__)
 
+LOOPBACK = "127.0.0.1"
 MAX_UNCOMMITTED_STEPS = 10
 """Consecutive steps that fail to commit before the group gives up (raises)."""
 DEGRADED_DELAY_ENV = "TITAN_KEDRO_DEGRADED_STEP_DELAY_S"
@@ -63,6 +65,28 @@ def _cross_group_pg(device: torch.device, timeout: timedelta) -> Any:
 
     base = ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo
     return _recording(base)(timeout=timeout)
+
+
+@contextlib.contextmanager
+def _manager_server_on_loopback() -> Iterator[None]:
+    """While a ``Manager`` is built, its ``ManagerServer`` binds 127.0.0.1, not ``[::]``.
+
+    torchft 0.2.0 hard-codes the bind address; the groups all run on this machine
+    (the config refuses more), so nothing else needs to reach it. Restored on every path.
+    """
+    import torchft.manager as manager_module
+
+    original = manager_module.ManagerServer
+
+    def loopback_server(**kwargs: Any) -> Any:
+        port = str(kwargs["bind"]).rsplit(":", 1)[-1]
+        return original(**{**kwargs, "bind": f"{LOOPBACK}:{port}"})
+
+    manager_module.ManagerServer = loopback_server
+    try:
+        yield
+    finally:
+        manager_module.ManagerServer = original
 
 
 def wait_for_all_groups(identity: ReplicaIdentity, timeout: timedelta) -> None:
@@ -109,8 +133,6 @@ class ReplicaGroupFT:
         start_step: int = 0,
         identity: ReplicaIdentity | None = None,
     ) -> None:
-        from torchft import Manager
-
         ft = cfg.fault_tolerance
         self.groups = ft.replica_groups
         self.identity = identity or ReplicaIdentity.from_env(self.groups)
@@ -127,7 +149,20 @@ class ReplicaGroupFT:
         self.skipped_samples = 0
         timeout = timedelta(seconds=ft.step_timeout_s)
         self.pg = _cross_group_pg(device, timeout)
-        self.manager = Manager(
+        with _manager_server_on_loopback():
+            self.manager = self._build_manager(cfg, device, timeout)
+        self.manager.load_state_dict({"step": start_step, "batches_committed": 0})
+        if self.identity.attempt == 0 and self.identity.startup_lighthouse:
+            if group_rank == 0:
+                wait_for_all_groups(self.identity, timedelta(seconds=ft.join_timeout_s))
+            if dist.is_initialized():
+                dist.barrier()
+
+    def _build_manager(self, cfg: Any, device: torch.device, timeout: timedelta) -> Any:
+        from torchft import Manager
+
+        ft = cfg.fault_tolerance
+        return Manager(
             pg=self.pg,
             load_state_dict=self._load,
             state_dict=self._state,
@@ -141,13 +176,8 @@ class ReplicaGroupFT:
             checkpoint_transport=JsonPGTransport(self.pg, device, state_dict=self._state),
             init_sync=False,  # every group initialises the same weights from job.seed
             max_retries=MAX_UNCOMMITTED_STEPS,
+            hostname=LOOPBACK,
         )
-        self.manager.load_state_dict({"step": start_step, "batches_committed": 0})
-        if self.identity.attempt == 0 and self.identity.startup_lighthouse:
-            if group_rank == 0:
-                wait_for_all_groups(self.identity, timedelta(seconds=ft.join_timeout_s))
-            if dist.is_initialized():
-                dist.barrier()
 
     # -- healing ------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
