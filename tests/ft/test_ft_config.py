@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 
@@ -72,3 +74,36 @@ def test_the_throughput_figure_gains_participants_over_time() -> None:
     assert list(axes[2].lines[0].get_ydata()) == [2.0, 1.0, 1.0, 2.0]
     plain = [{k: v for k, v in row.items() if k != "ft/participants"} for row in rows]
     assert len(plots.plot_throughput(plain).axes) == 2
+
+
+def test_the_manager_server_binds_loopback_and_the_swap_is_undone() -> None:
+    from datetime import timedelta
+
+    import torchft.manager as manager_module
+    from torchft.coordination import LighthouseServer
+
+    from titan_kedro.ft.replica import _manager_server_on_loopback
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    port = lighthouse.address().rsplit(":", 1)[-1]
+    original = manager_module.ManagerServer
+    try:
+        with pytest.raises(RuntimeError, match="boom"), _manager_server_on_loopback():
+            server = manager_module.ManagerServer(
+                replica_id="probe", lighthouse_addr=f"http://127.0.0.1:{port}",
+                hostname="127.0.0.1", bind="[::]:0", store_addr="127.0.0.1:1", world_size=1,
+                heartbeat_interval=timedelta(seconds=1), connect_timeout=timedelta(seconds=5),
+                quorum_retries=0,
+            )  # fmt: skip
+            try:
+                served = int(server.address().rsplit(":", 1)[-1])
+                with socket.socket() as sock:  # listening on 127.0.0.1 …
+                    assert sock.connect_ex(("127.0.0.1", served)) == 0
+                with socket.socket(socket.AF_INET6) as sock:  # … and not on [::]
+                    assert sock.connect_ex(("::1", served)) != 0
+            finally:
+                server.shutdown()
+            raise RuntimeError("boom")
+    finally:
+        lighthouse.shutdown()
+    assert manager_module.ManagerServer is original
