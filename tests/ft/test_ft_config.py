@@ -107,3 +107,15 @@ def test_the_manager_server_binds_loopback_and_the_swap_is_undone() -> None:
     finally:
         lighthouse.shutdown()
     assert manager_module.ManagerServer is original
+
+
+def test_each_replica_group_has_its_own_system_metrics_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from titan_kedro.tracking.system_metrics import NodeSystemMetrics
+
+    monkeypatch.setenv("GROUP_RANK", "0")
+    monkeypatch.delenv("TITAN_KEDRO_REPLICA_ID", raising=False)
+    assert NodeSystemMetrics(1.0).node_id == "node-0"
+    monkeypatch.setenv("TITAN_KEDRO_REPLICA_ID", "1")
+    assert NodeSystemMetrics(1.0).node_id == "replica-1-node-0"
