@@ -120,6 +120,7 @@ def test_a_killed_group_restarts_heals_and_ends_equal(
         return {m.step: m.value for m in client.get_metric_history(result["run_id"], key)}
 
     losses, participants = history("loss"), history("ft/participants")
+    assert len(client.get_metric_history(result["run_id"], "peak_tflops")) == 1  # one group logs
     assert sorted(losses) == list(range(1, 13))
     sequence = [participants[step] for step in sorted(participants)]
     changes = [value for i, value in enumerate(sequence) if i == 0 or value != sequence[i - 1]]

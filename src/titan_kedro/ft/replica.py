@@ -227,6 +227,12 @@ class ReplicaGroupFT:
         """Whether this group has replica rank 0 in the quorum (it logs and checkpoints)."""
         return self.manager.participating_rank() == 0
 
+    @property
+    def logs_run_constants(self) -> bool:
+        """Whether values logged once per run (``peak_tflops``) come from this group: the
+        first start of group 0, so a run has one value."""
+        return self.identity.replica_id == 0 and self.identity.attempt == 0
+
     def _allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
         self.manager.allreduce(tensor, reduce_op=op).wait()
         return tensor

@@ -388,7 +388,8 @@ class Trainer:
                 f"{cfg.training.steps}"
                 + (f", resumed from {self.resumed_from}" if self.resumed_from else "")
             )
-            self.metrics.log_once({"peak_tflops": self.peak_tflops}, step=self.state.step)
+            if self.ft is None or self.ft.logs_run_constants:
+                self.metrics.log_once({"peak_tflops": self.peak_tflops}, step=self.state.step)
         step_metrics: dict[str, Any] = {}
         while self.state.step < last_step:
             maybe_crash(self.state.step + 1, self.rank)
