@@ -35,11 +35,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titan_kedro.ft.identity import ReplicaIdentity, replica_name
+from titan_kedro.ft.lighthouse import BIND_HOST as LOOPBACK
 from titan_kedro.ft.transport import JsonPGTransport, encode_header
 
 logger = logging.getLogger(__name__)
 
-LOOPBACK = "127.0.0.1"
 MAX_UNCOMMITTED_STEPS = 10
 """Consecutive steps that fail to commit before the group gives up (raises)."""
 DEGRADED_DELAY_ENV = "TITAN_KEDRO_DEGRADED_STEP_DELAY_S"
