@@ -6,6 +6,8 @@
   from group 0 and both finish; their states end bitwise equal and MLflow shows
   ``ft/participants`` 2 → 1 → 2 and all 12 losses.
 - The lighthouses and every group process are gone after the run and after Ctrl-C.
+- A whole-job stop resumes from the leader's DCP checkpoint with an uninterrupted run's
+  losses.
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ from mlflow.tracking import MlflowClient
 from train.helpers import REPO, TINY_DEEPSEEK, run_worker, step_losses, tiny_job, write_token_dir
 
 from ft.ft_helpers import descendants_alive, ft_project, kedro_training, latest_run_metrics
+from titan_kedro.config import dump_job_config
+from titan_kedro.launch.replica_groups import ReplicaGroupLauncher
+from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.pipelines.training.nodes import train_model
+from titan_kedro.train.launch import TrainingFailedError
 
 pytestmark = pytest.mark.slow
 
@@ -193,3 +199,35 @@ def test_ctrl_c_stops_every_group_and_the_lighthouses(tmp_path: Path) -> None:
         time.sleep(0.5)
     assert descendants_alive(tree) == []
     assert not _port_open(match.group(1)) and not _port_open(match.group(2))
+
+
+def _launch_groups(tmp_path: Path, name: str, checkpoint: dict, env: dict | None = None) -> Path:
+    raw = tiny_job(
+        tmp_path / name,
+        tmp_path / "tokens",
+        training={"steps": 8},
+        checkpoint={"folder": str(tmp_path / f"ckpt-{name}"), "interval": 2, **checkpoint},
+        fault_tolerance={**FT_ON, "max_group_restarts": 0},
+    )
+    cfg = resolve_job_config(raw).config
+    config = dump_job_config(cfg, tmp_path / name / "job_config.yaml")
+    with (tmp_path / f"{name}.log").open("a") as console:
+        ReplicaGroupLauncher(cfg, config, extra_env=env, console=console).run()
+    return tmp_path / name / "job"
+
+
+def test_a_whole_job_stop_resumes_from_the_leaders_checkpoint(tmp_path: Path) -> None:
+    write_token_dir(tmp_path / "tokens")
+    straight = step_losses(_launch_groups(tmp_path, "straight", {}))
+    with pytest.raises(TrainingFailedError):  # rank 0 of every group exits at step 6
+        _launch_groups(tmp_path, "stopped", {}, env={"TITAN_KEDRO_CRASH_AT_STEP": "6"})
+    saved = sorted(p.name for p in (tmp_path / "ckpt-stopped").glob("step-*"))
+    assert saved == ["step-2", "step-4"]
+    resume = {
+        "folder": str(tmp_path / "ckpt-stopped"),
+        "resume": str(tmp_path / "ckpt-stopped" / "step-4"),
+    }
+    resumed = step_losses(_launch_groups(tmp_path, "stopped", resume))
+    assert sorted(resumed) == list(range(1, 9))
+    for step in range(5, 9):
+        assert resumed[step] == pytest.approx(straight[step], abs=1e-6), step
