@@ -81,7 +81,9 @@ def test_two_groups_train_like_hsdp_with_two_replicas_through_kedro_run(tmp_path
     assert set(ft["ft/skipped_samples"].values()) == {0.0}
 
 
-def _run_node_with_kill(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[dict, str]:
+def _run_node_with_kill(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict, str]:
     params = tiny_job(
         tmp_path,
         write_token_dir(tmp_path / "tokens"),
@@ -92,28 +94,24 @@ def _run_node_with_kill(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> t
         metrics={"enable_mlflow": True},
         fault_tolerance=FT_ON,
     )
-    kill = {
-        "TITAN_KEDRO_CRASH_AT_STEP": "5",
-        "TITAN_KEDRO_CRASH_GROUP": "1",
-        "TITAN_KEDRO_DEGRADED_STEP_DELAY_S": str(DEGRADED_DELAY_S),
-    }
-    os.environ.update(kill)
+    monkeypatch.setenv("TITAN_KEDRO_CRASH_AT_STEP", "5")
+    monkeypatch.setenv("TITAN_KEDRO_CRASH_GROUP", "1")
+    monkeypatch.setenv("TITAN_KEDRO_DEGRADED_STEP_DELAY_S", str(DEGRADED_DELAY_S))
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = mlflow.start_run()
     try:
-        with mlflow.start_run() as run:
-            summary = train_model({"vocab_size": 512}, {}, **params)
+        summary = train_model({"vocab_size": 512}, {}, **params)
     finally:
+        mlflow.end_run()
         mlflow.set_tracking_uri(None)
-        for name in kill:
-            os.environ.pop(name)
     return {"summary": summary, "run_id": run.info.run_id}, capsys.readouterr().out
 
 
 def test_a_killed_group_restarts_heals_and_ends_equal(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    result, console = _run_node_with_kill(tmp_path, capsys)
+    result, console = _run_node_with_kill(tmp_path, capsys, monkeypatch)
     assert result["summary"]["final_step"] == 12
 
     assert "group 1 rank 0 SIGKILLs itself at step 5" in console

@@ -65,7 +65,6 @@ class ReplicaGroupLauncher:
         config_path: The job config file every worker loads.
         extra_env: More environment variables for the workers (the MLflow run).
         console: Where output is echoed (default ``sys.stdout``).
-        cwd: Working directory of the workers.
     """
 
     def __init__(
@@ -75,13 +74,11 @@ class ReplicaGroupLauncher:
         *,
         extra_env: Mapping[str, str] | None = None,
         console: IO[str] | None = None,
-        cwd: str | Path | None = None,
     ) -> None:
         self.cfg = cfg
         self.config_path = config_path
         self.extra_env = dict(extra_env or {})
         self.console = console or sys.stdout
-        self.cwd = cwd
         self._lock = threading.Lock()
         root = Path(cfg.launch.log_dir)
         self.groups = [GroupProcess(g, root / f"replica-{g}") for g in range(cfg.replica_groups)]
@@ -116,7 +113,7 @@ class ReplicaGroupLauncher:
         )
         group.before = run_dirs(group.log_dir)
         group.proc = subprocess.Popen(
-            cmd, cwd=self.cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, errors="replace", bufsize=1, start_new_session=True,
         )  # fmt: skip
         threading.Thread(target=self._stream, args=(group, group.proc), daemon=True).start()
