@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "titan_kedro"
-LIBRARY = ("config", "components", "data", "models", "train", "plan", "launch", "tracking")
+LIBRARY = ("config", "components", "data", "models", "train", "plan", "launch", "tracking", "ft")
 
 
 def _imports(path: Path) -> set[str]:

@@ -193,6 +193,32 @@ class ParallelismSection(Section):
     """FSDP2 shard degree; -1 takes whatever the world size leaves."""
 
 
+class FaultToleranceSection(Section):
+    enable: bool = False
+    """Train as ``replica_groups`` independent torchrun groups that average gradients through
+    TorchFT every step, keep training when a group dies and heal a restarted group from a
+    live peer (``titan_kedro.ft``)."""
+    replica_groups: int = Field(1, ge=1)
+    """Number of replica groups G (at least 2 with ``enable``); each runs ``launch.nproc_per_node``
+    ranks that shard the model among themselves."""
+    min_replicas: int = Field(1, ge=1)
+    """Fewest live groups a step may commit with (at most ``replica_groups``)."""
+    lighthouse_address: str | None = None
+    """``http://host:port`` of a running TorchFT lighthouse; None: the launcher starts one on
+    127.0.0.1 for the run and stops it afterwards."""
+    quorum_timeout_s: float = Field(60.0, gt=0)
+    """How long a group waits for the lighthouse to form a step's quorum."""
+    join_timeout_s: float = Field(60.0, gt=0)
+    """How long the launcher's startup barrier waits for every group before step 1, and how
+    long the lighthouse waits for heartbeating stragglers before a new quorum."""
+    heartbeat_timeout_s: float = Field(5.0, gt=0)
+    """A group silent this long is dropped from the next quorum (the launcher's lighthouse)."""
+    step_timeout_s: float = Field(60.0, gt=0)
+    """Timeout of the cross-group collectives, the commit vote and the healing transfer."""
+    max_group_restarts: int = Field(3, ge=0)
+    """The launcher restarts a dead group's torchrun this often (per group) before failing the job."""
+
+
 LOCAL_SCHEDULER = "local"
 """``launch.scheduler`` value for torchrun on this machine, without TorchX."""
 LOCAL_CWD_SCHEDULER = "local_cwd"
@@ -369,6 +395,7 @@ class JobConfig(BaseModel):
     optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
     lr_scheduler: LRSchedulerSection = Field(default_factory=LRSchedulerSection)
     parallelism: ParallelismSection = Field(default_factory=ParallelismSection)
+    fault_tolerance: FaultToleranceSection = Field(default_factory=FaultToleranceSection)
     launch: LaunchSection = Field(default_factory=LaunchSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
@@ -395,6 +422,7 @@ class JobConfig(BaseModel):
                 f"launch.nnodes={self.launch.nnodes}); set data_parallel_shard_degree: -1 "
                 "or make the product equal the world size"
             )
+        self._check_fault_tolerance()
         dp = self.dp_degree
         gbs = self.training.global_batch_size
         if gbs is not None and gbs % (self.training.local_batch_size * dp):
@@ -406,10 +434,45 @@ class JobConfig(BaseModel):
             raise ValueError("set only one of model.custom_model_path and model.custom_import")
         return self
 
+    def _check_fault_tolerance(self) -> None:
+        ft = self.fault_tolerance
+        if not ft.enable:
+            return
+        if ft.replica_groups < 2:
+            raise ValueError(
+                "fault_tolerance.enable needs fault_tolerance.replica_groups >= 2: with one group "
+                "there is no live peer to keep training or to heal from; set replica_groups: 2 "
+                "or more, or disable fault_tolerance (launch.max_restarts restarts one group)"
+            )
+        if self.parallelism.data_parallel_replicate_degree > 1:
+            raise ValueError(
+                f"fault_tolerance.replica_groups={ft.replica_groups} and "
+                f"parallelism.data_parallel_replicate_degree="
+                f"{self.parallelism.data_parallel_replicate_degree} are both above 1: replica "
+                "groups already replicate the model; set data_parallel_replicate_degree: 1"
+            )
+        if ft.min_replicas > ft.replica_groups:
+            raise ValueError(
+                f"fault_tolerance.min_replicas={ft.min_replicas} exceeds replica_groups="
+                f"{ft.replica_groups}; no step could ever commit"
+            )
+        if self.launch.nnodes > 1 or self.launch.scheduler != LOCAL_SCHEDULER:
+            raise ValueError(
+                "fault_tolerance launches its replica groups on this machine only "
+                f"(launch.scheduler={self.launch.scheduler!r}, launch.nnodes={self.launch.nnodes}); "
+                "use launch.scheduler: local and launch.nnodes: 1"
+            )
+
+    @property
+    def replica_groups(self) -> int:
+        """Fault-tolerant replica groups (1 without ``fault_tolerance.enable``)."""
+        ft = self.fault_tolerance
+        return ft.replica_groups if ft.enable else 1
+
     @property
     def dp_degree(self) -> int:
-        """Data-parallel degree: every rank of the world reads different data."""
-        return self.launch.world_size
+        """Data-parallel degree: every rank of every replica group reads different data."""
+        return self.launch.world_size * self.replica_groups
 
     @property
     def grad_accum_steps(self) -> int:

@@ -1,10 +1,11 @@
 """Launch the training job: torchrun on this machine, or one torchrun per node via TorchX.
 
-All launching lives here. ``launch.scheduler: local`` runs ``torchrun.launch_training``;
-any TorchX scheduler (``local_cwd``, ``slurm``, ``kubernetes``, …) gets the AppDef of
-``appdef.build_appdef``, submitted and followed by ``scheduler.run_job``; both follow
-their group with ``supervise``. A run folder that a live run trains into is refused first
-(``train.run_lock``), remote jobs are checked (``preflight``), and ``launch.dryrun``
+All launching lives here. ``launch.scheduler: local`` runs ``torchrun.launch_training``
+(with ``fault_tolerance.enable``: ``replica_groups.ReplicaGroupLauncher``, G torchrun
+groups); any TorchX scheduler (``local_cwd``, ``slurm``, ``kubernetes``, …) gets the
+AppDef of ``appdef.build_appdef``, submitted and followed by ``scheduler.run_job``; both
+follow their group with ``supervise``. A run folder that a live run trains into is refused
+first (``train.run_lock``), remote jobs are checked (``preflight``), and ``launch.dryrun``
 writes the request instead (``dryrun``). The nodes get the MLflow URI without
 credentials; those travel by name (``secrets``).
 """
@@ -25,6 +26,7 @@ from titan_kedro.launch.preflight import (
     is_remote,
     with_absolute_paths,
 )
+from titan_kedro.launch.replica_groups import ReplicaGroupLauncher
 from titan_kedro.launch.scheduler import run_job
 from titan_kedro.launch.secrets import node_env
 from titan_kedro.launch.torchrun import TrainingFailedError, launch_training, mlflow_env
@@ -115,7 +117,9 @@ def launch_job(
     if cfg.launch.dryrun:
         app = None if local else build_appdef(cfg, config_path, nodes_env)
         return write_dryrun(cfg, app, config_path, env)
-    if local:
+    if cfg.fault_tolerance.enable:  # G torchrun groups here (the config refuses other schedulers)
+        ReplicaGroupLauncher(cfg, config_path, extra_env=env, console=console).run()
+    elif local:
         launch_training(cfg, config_path, extra_env=env, console=console)
     else:
         app = build_appdef(cfg, config_path, nodes_env)

@@ -142,22 +142,31 @@ def plot_learning_rate(records: Sequence[Mapping[str, Any]]) -> Figure:
 
 
 def plot_throughput(records: Sequence[Mapping[str, Any]]) -> Figure:
-    """Tokens per second (per device) and model FLOPs utilisation against step."""
-    fig = Figure(figsize=(_FIGSIZE[0], _FIGSIZE[1] * 1.4), layout="constrained")
-    ax_tps, ax_mfu = fig.subplots(2, 1, sharex=True)
-    for ax, key, label, color in (
-        (ax_tps, "tps", "tokens/s per device", "tab:purple"),
-        (ax_mfu, "mfu_pct", "MFU (%)", "tab:brown"),
-    ):
+    """Tokens per second (per device) and model FLOPs utilisation against step.
+
+    A fault-tolerant run (``ft/participants`` in the records) gets a third panel: the
+    replica groups that took part in each step.
+    """
+    panels = [("tps", "tokens/s per device", "tab:purple"), ("mfu_pct", "MFU (%)", "tab:brown")]
+    if series(records, "ft/participants")[0]:
+        panels.append(("ft/participants", "replica groups", "tab:red"))
+    fig = Figure(figsize=(_FIGSIZE[0], _FIGSIZE[1] * 0.7 * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), 1, sharex=True)
+    for ax, (key, label, color) in zip(axes, panels, strict=True):
         xs, ys = series(records, key)
-        if xs:
+        if key == "ft/participants" and xs:
+            ax.step(xs, ys, where="mid", color=color)
+            ax.set_ylabel(label)
+            ax.set_ylim(0, max(ys) + 0.5)
+            ax.grid(alpha=0.3)
+        elif xs:
             ax.plot(xs, ys, color=color)
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
         else:
             _empty(ax, f"no '{key}' values in metrics.jsonl")
-    ax_tps.set_title("Throughput")
-    ax_mfu.set_xlabel("step")
+    axes[0].set_title("Throughput")
+    axes[-1].set_xlabel("step")
     return fig
 
 

@@ -2,7 +2,9 @@
 
 Local rank 0 of every node runs one ``SystemMetricsMonitor`` into ``$MLFLOW_RUN_ID``
 with node id ``node-<GROUP_RANK>``, so the run shows ``system/node-0/cpu_utilization_percentage``
-and so on for every machine. Failures to log never stop training.
+and so on for every machine; a fault-tolerant replica group's nodes are
+``replica-<g>-node-<GROUP_RANK>`` (every group has its own node 0). Failures to log never
+stop training.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import logging
 import os
 from typing import Any
 
+from titan_kedro.ft.identity import REPLICA_ID_ENV
 from titan_kedro.tracking.mlflow_logger import RUN_ID_ENV, TRACKING_URI_ENV
 
 logger = logging.getLogger(__name__)
@@ -23,6 +26,8 @@ class NodeSystemMetrics:
         self.interval_s = interval_s
         self.run_id = os.environ.get(RUN_ID_ENV) if enable else None
         self.node_id = f"node-{int(os.environ.get('GROUP_RANK', '0'))}"
+        if os.environ.get(REPLICA_ID_ENV):
+            self.node_id = f"replica-{int(os.environ[REPLICA_ID_ENV])}-{self.node_id}"
         self.active = (
             bool(self.run_id) and interval_s > 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0
         )

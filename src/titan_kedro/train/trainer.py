@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_kedro.data.token_store import read_token_metadata
+from titan_kedro.ft.identity import data_shard, restarted_group
 from titan_kedro.models.parallel import autocast_dtype, training_dtypes
 from titan_kedro.models.resolve import ResolvedJob
 from titan_kedro.tracking.mlflow_logger import MlflowMetricsSink
@@ -153,12 +154,16 @@ class Trainer:
         from titan_kedro.data.token_store import open_split
 
         self._token_loader_cls = TokenLoader
+        # With replica groups, each group reads its own share of the global order.
+        data_rank, data_degree = data_shard(
+            cfg, self.parallel_dims.dp_rank, self.parallel_dims.dp_degree
+        )
         self.train_loader = TokenLoader(
             open_split(cfg.data.token_dir, "train"),
             seq_len=cfg.training.seq_len,
             local_batch_size=cfg.training.local_batch_size,
-            dp_rank=self.parallel_dims.dp_rank,
-            dp_degree=self.parallel_dims.dp_degree,
+            dp_rank=data_rank,
+            dp_degree=data_degree,
             seed=cfg.job.seed,
             name="train",
         )
@@ -174,14 +179,15 @@ class Trainer:
             )
 
         self.state = TrainState()
+        self.stateful: dict[str, Stateful] = {
+            "model": ModelState(self.model_parts),
+            "optimizer": self.optimizers,
+            "lr_scheduler": self.lr_schedulers,
+            "train_state": self.state,
+        }
         self.checkpointer = CheckpointManager(
             cfg.checkpoint.folder,
-            {
-                "model": ModelState(self.model_parts),
-                "optimizer": self.optimizers,
-                "lr_scheduler": self.lr_schedulers,
-                "train_state": self.state,
-            },
+            self.stateful,
             per_rank_state=self._per_rank_state,
             restore_per_rank=self._restore_per_rank,
             keep_latest_k=cfg.checkpoint.keep_latest_k,
@@ -217,9 +223,32 @@ class Trainer:
                 cfg.training.steps,
                 start_step=self.state.step,
                 mlflow=MlflowMetricsSink.from_env(cfg.metrics.enable_mlflow),
-                append=self.resumed_from is not None,
+                append=self.resumed_from is not None or restarted_group(),
                 run_id=cfg.job.run_id,
             )
+        self.ft = None  # the other replica groups (fault_tolerance.enable), after the logger
+        if cfg.fault_tolerance.enable:
+            from titan_kedro.ft.replica import ReplicaGroupFT
+
+            self.ft = ReplicaGroupFT(
+                cfg,
+                self.device,
+                group_rank=self.rank,
+                state_dict=self._live_state,
+                load_state_dict=self._load_live_state,
+                start_step=self.state.step,
+            )
+
+    def _live_state(self) -> dict[str, Any]:
+        """What a restarted replica group receives from a live one (no RNG: it is per rank)."""
+        state = {name: obj.state_dict() for name, obj in self.stateful.items()}
+        return {**state, "dataloader": self.train_loader.state_dict()}
+
+    def _load_live_state(self, state: dict[str, Any]) -> None:
+        for name, obj in self.stateful.items():
+            obj.load_state_dict(state[name])
+        self.train_loader.load_state_dict(state["dataloader"])
+        self._train_iter = iter(self.train_loader)
 
     def _per_rank_state(self) -> dict[str, Any]:
         return {"dataloader": self.train_loader.state_dict(), "rng": rng_state()}
@@ -244,12 +273,16 @@ class Trainer:
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         value = value.detach().clone().float()
         dist.all_reduce(value, group=self.dp_group)
-        return value / self.parallel_dims.dp_degree
+        value = value / self.parallel_dims.dp_degree
+        return value if self.ft is None else self.ft.replica_mean(value)
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over ``grad_accum_steps`` micro-batches; returns its metrics."""
         model = self.model
         accum = self.cfg.grad_accum_steps
+        if self.ft is not None:  # the quorum (and healing) before any batch is drawn
+            self.ft.begin_step()
+            data_at_start = self.train_loader.state_dict()
         has_moe = hasattr(model, "expert_load")
         if has_moe:
             model.reset_expert_load()
@@ -279,6 +312,8 @@ class Trainer:
             (loss / accum).backward()
             ce_sum += ce.detach().float()
         params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
+        if self.ft is not None:
+            self.ft.average_gradients(params)
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm)
         loss_value = float(self._dp_mean(ce_sum / accum))
         if not (math.isfinite(loss_value) and math.isfinite(float(grad_norm))):
@@ -290,6 +325,20 @@ class Trainer:
                 "latest; lower optimizer.lr or raise lr_scheduler.warmup_steps and resume)"
             )
         lr = self.optimizers.param_groups[0]["lr"]
+        # Every reduction happens before the commit vote, so all groups run the same ones.
+        aux_value = (
+            float(self._dp_mean(aux_sum / accum)) if hasattr(model, "moe_aux_loss") else None
+        )
+        mtp_value = float(self._dp_mean(mtp_sum / accum)) if has_mtp else None
+        if has_moe:
+            load = model.expert_load().detach().float().to(self.device)
+            dist.all_reduce(load, group=self.dp_group)
+            if self.ft is not None:
+                self.ft.replica_sum(load)
+        if self.ft is not None and not self.ft.should_commit():
+            self.train_loader.load_state_dict(data_at_start)  # the retry reads the same batch
+            self._train_iter = iter(self.train_loader)
+            return {}
         self.optimizers.step()
         self.lr_schedulers.step()
         metrics: dict[str, Any] = {
@@ -298,13 +347,11 @@ class Trainer:
             "lr": lr,
             "data_time_s": data_time,
         }
-        if has_mtp:
-            metrics["mtp_loss"] = float(self._dp_mean(mtp_sum / accum))
-        if hasattr(model, "moe_aux_loss"):
-            metrics["moe_aux_loss"] = float(self._dp_mean(aux_sum / accum))
+        if mtp_value is not None:
+            metrics["mtp_loss"] = mtp_value
+        if aux_value is not None:
+            metrics["moe_aux_loss"] = aux_value
         if has_moe:
-            load = model.expert_load().detach().float().to(self.device)
-            dist.all_reduce(load, group=self.dp_group)
             model.update_expert_bias(load)
             metrics.update(expert_load_stats(load))
         return metrics
@@ -357,24 +404,33 @@ class Trainer:
                 f"{cfg.training.steps}"
                 + (f", resumed from {self.resumed_from}" if self.resumed_from else "")
             )
-            self.metrics.log_once({"peak_tflops": self.peak_tflops}, step=self.state.step)
+            if self.ft is None or self.ft.logs_run_constants:
+                self.metrics.log_once({"peak_tflops": self.peak_tflops}, step=self.state.step)
         step_metrics: dict[str, Any] = {}
         while self.state.step < last_step:
-            step = self.state.step + 1
-            maybe_crash(step, self.rank)
+            maybe_crash(self.state.step + 1, self.rank)
             step_start = time.perf_counter()
             step_metrics = self.train_step()
+            if not step_metrics:  # a fault-tolerant step that was not committed
+                continue
+            step = self.state.step + 1  # after train_step: healing may have moved it
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             step_time = time.perf_counter() - step_start
             self.state.step = step
-            self.state.tokens_seen += self.tokens_per_step_global
+            leader = self.ft is None or self.ft.is_leader
+            if self.ft is not None:
+                step_metrics.update(self.ft.step_metrics())
+                share = step_metrics["ft/participants"] / self.cfg.replica_groups
+                self.state.tokens_seen += round(self.tokens_per_step_global * share)
+            else:
+                self.state.tokens_seen += self.tokens_per_step_global
             self.state.last_loss = step_metrics["loss"]
             if cfg.validation.freq and (
                 step % cfg.validation.freq == 0 or step == cfg.training.steps
             ):
                 step_metrics.update(self.validate())
-            if self.metrics is not None:
+            if self.metrics is not None and leader:
                 if (
                     step % cfg.metrics.log_freq == 0
                     or step == cfg.training.steps
@@ -392,7 +448,7 @@ class Trainer:
                     )
                     self.metrics.log(step, step_metrics)
                 self.metrics.advance()
-            if step % cfg.checkpoint.interval == 0 or step == last_step:
+            if (step % cfg.checkpoint.interval == 0 or step == last_step) and leader:
                 self.checkpointer.save(step, {"loss": self.state.last_loss, **self.run_metadata})
         summary = {
             "checkpoint_dir": str(self.checkpointer.last_saved)
@@ -403,7 +459,9 @@ class Trainer:
             "tokens_seen": self.state.tokens_seen,
             "wall_time_s": time.perf_counter() - start_time,
         }
-        if self.rank == 0:
+        if self.ft is not None:  # lets anyone check that the groups ended in lock-step
+            self.ft.write_state_digest(Path(cfg.job.dump_folder) / "ft", self.rank, self.state.step)
+        if self.rank == 0 and (self.ft is None or self.ft.is_leader):
             write_summary(cfg.job.dump_folder, summary)
         return summary
 
@@ -411,6 +469,8 @@ class Trainer:
         """Close the progress bar and leave the process group."""
         if self.metrics is not None:
             self.metrics.close()
+        if self.ft is not None:
+            self.ft.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -1,0 +1,90 @@
+"""Who a worker is among the replica groups: the environment the group launcher sets.
+
+The launcher (``launch/replica_groups.py``) starts every group's torchrun with
+``TITAN_KEDRO_REPLICA_ID`` (0 … G-1), ``TITAN_KEDRO_GROUP_ATTEMPT`` (0, then 1, 2, … for
+each restart of that group), ``TORCHFT_LIGHTHOUSE`` (TorchFT's own variable: the
+lighthouse) and, on the first attempt, ``TITAN_KEDRO_FT_STARTUP`` (the startup
+barrier's lighthouse, so step 1 waits for every group).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+REPLICA_ID_ENV = "TITAN_KEDRO_REPLICA_ID"
+GROUP_ATTEMPT_ENV = "TITAN_KEDRO_GROUP_ATTEMPT"
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+STARTUP_ENV = "TITAN_KEDRO_FT_STARTUP"
+
+
+def replica_name(replica_id: int) -> str:
+    """The TorchFT replica id of group ``replica_id`` (zero-padded: the lighthouse sorts names)."""
+    return f"titan_kedro_{replica_id:03d}"
+
+
+@dataclass(frozen=True)
+class ReplicaIdentity:
+    """This worker's replica group, attempt and lighthouses."""
+
+    replica_id: int
+    """Index of the group, 0 … ``fault_tolerance.replica_groups - 1``."""
+    attempt: int
+    """How often the launcher has restarted this group (0: the first start)."""
+    lighthouse: str
+    """Address of the lighthouse that forms each step's quorum."""
+    startup_lighthouse: str | None
+    """Address of the startup barrier's lighthouse (first attempt only)."""
+
+    @classmethod
+    def from_env(cls, replica_groups: int) -> ReplicaIdentity:
+        """Read the launcher's variables.
+
+        Raises:
+            ValueError: A variable is missing or out of range (a worker not started by the
+                replica-group launcher).
+        """
+        missing = [name for name in (REPLICA_ID_ENV, LIGHTHOUSE_ENV) if not os.environ.get(name)]
+        if missing:
+            raise ValueError(
+                f"fault_tolerance.enable is set but {', '.join(missing)} is not: replica-group "
+                "workers are started by the training node (launch/replica_groups.py), or by hand "
+                f"with {REPLICA_ID_ENV}=<group> and {LIGHTHOUSE_ENV}=http://host:port"
+            )
+        replica_id = int(os.environ[REPLICA_ID_ENV])
+        if not 0 <= replica_id < replica_groups:
+            raise ValueError(
+                f"{REPLICA_ID_ENV}={replica_id} is outside 0 … {replica_groups - 1} "
+                "(fault_tolerance.replica_groups)"
+            )
+        return cls(
+            replica_id=replica_id,
+            attempt=int(os.environ.get(GROUP_ATTEMPT_ENV, "0")),
+            lighthouse=os.environ[LIGHTHOUSE_ENV],
+            startup_lighthouse=os.environ.get(STARTUP_ENV) or None,
+        )
+
+
+def replica_data_shard(
+    replica_id: int, replica_groups: int, dp_rank: int, dp_degree: int
+) -> tuple[int, int]:
+    """This rank's place in the global data order: ``(replica_id × dp_degree + dp_rank, G × dp_degree)``.
+
+    Two groups never read the same window in one step, and G groups of ``dp_degree`` ranks
+    read exactly what one group of ``G × dp_degree`` ranks would.
+    """
+    return replica_id * dp_degree + dp_rank, replica_groups * dp_degree
+
+
+def data_shard(cfg: Any, dp_rank: int, dp_degree: int) -> tuple[int, int]:
+    """:func:`replica_data_shard` of this worker's group, or ``(dp_rank, dp_degree)`` without FT."""
+    if not cfg.fault_tolerance.enable:
+        return dp_rank, dp_degree
+    identity = ReplicaIdentity.from_env(cfg.replica_groups)
+    return replica_data_shard(identity.replica_id, cfg.replica_groups, dp_rank, dp_degree)
+
+
+def restarted_group() -> bool:
+    """Whether the launcher restarted this worker's replica group (its attempt is above 0)."""
+    return int(os.environ.get(GROUP_ATTEMPT_ENV, "0")) > 0

@@ -1,0 +1,91 @@
+"""A copied Kedro project whose ``training`` pipeline runs a tiny DeepSeek on CPU, and its MLflow."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+from mlflow.tracking import MlflowClient
+from test_end_to_end import copy_project
+from train.helpers import TINY_DEEPSEEK, write_token_dir
+
+ENV = "ftcheck"
+KEDRO = Path(sys.executable).with_name("kedro")
+
+
+def ft_project(root: Path, **sections: dict[str, Any]) -> Path:
+    """A project copy with token files, a model card and a conf env ``ftcheck`` of tiny settings."""
+    project = copy_project(root)
+    tokens = write_token_dir(project / "data" / "05_model_input" / "tokens")
+    (project / "data" / "06_models" / "model_spec.json").write_text("{}", encoding="utf-8")
+    params: dict[str, Any] = {
+        "model": {"name": "deepseek_v2", "flavor": "debugmodel", "overrides": TINY_DEEPSEEK},
+        "data": {"token_dir": str(tokens)},
+        "training": {"steps": 12, "seq_len": 32, "local_batch_size": 2, "device": "cpu",
+                     "num_threads": 1},
+        "lr_scheduler": {"warmup_steps": 2},
+        "parallelism": {"expert_parallel_degree": 1},
+        "launch": {"nproc_per_node": 1},
+        "checkpoint": {"interval": 100},
+        "validation": {"freq": 0},
+        "metrics": {"system_metrics_interval_s": 0, "peak_tflops": 1.0},
+        "fault_tolerance": {"heartbeat_timeout_s": 2.0, "step_timeout_s": 20.0},
+    }  # fmt: skip
+    for name, values in sections.items():
+        params[name] = {**params.get(name, {}), **values}
+    env = project / "conf" / ENV
+    env.mkdir()
+    (env / "parameters.yml").write_text(yaml.safe_dump(params), encoding="utf-8")
+    return project
+
+
+def kedro_training(
+    project: Path, params: str = "", extra_env: dict[str, str] | None = None, timeout_s: int = 400
+) -> subprocess.CompletedProcess[str]:
+    """``kedro run --env ftcheck --pipeline training [--params …]`` in ``project``; must succeed."""
+    cmd = [str(KEDRO), "run", "--env", ENV, "--pipeline", "training"]
+    if params:
+        cmd += ["--params", params]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    for name in ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI"):
+        env.pop(name, None)
+    proc = subprocess.run(
+        cmd, cwd=project, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+    assert proc.returncode == 0, f"kedro run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
+    return proc
+
+
+def latest_run_metrics(project: Path, keys: tuple[str, ...]) -> dict[str, dict[int, float]]:
+    """``{key: {step: value}}`` of the newest MLflow run in the project's ``mlflow.db``."""
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    run = client.search_runs(experiments, order_by=["attributes.start_time DESC"])[0]
+    return {
+        key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+        for key in keys
+    }
+
+
+def summary(project: Path) -> dict[str, Any]:
+    """The pipeline's ``training_summary`` output."""
+    path = project / "data" / "07_model_output" / "training_summary.json"
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def descendants_alive(pids: list[int]) -> list[int]:
+    """Those of ``pids`` still running (zombies count as gone)."""
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive

@@ -1,0 +1,121 @@
+"""The ``fault_tolerance`` section: refused layouts, the batch it implies, the data shard."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from titan_kedro.config import build_job_config
+from titan_kedro.ft.identity import replica_data_shard
+from titan_kedro.ft.transport import encode_header
+
+
+def _config(**sections: dict) -> object:
+    return build_job_config(sections, source="test")
+
+
+def test_one_group_is_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="no live peer to keep training or to heal from"):
+        _config(fault_tolerance={"enable": True, "replica_groups": 1})
+
+
+def test_replica_groups_and_hsdp_replicas_are_not_both_above_one() -> None:
+    with pytest.raises(ValueError, match="set data_parallel_replicate_degree: 1"):
+        _config(
+            fault_tolerance={"enable": True, "replica_groups": 2},
+            parallelism={"data_parallel_replicate_degree": 2},
+            launch={"nproc_per_node": 2},
+        )
+
+
+def test_min_replicas_above_the_groups_is_refused() -> None:
+    with pytest.raises(ValueError, match="no step could ever commit"):
+        _config(fault_tolerance={"enable": True, "replica_groups": 2, "min_replicas": 3})
+
+
+def test_groups_multiply_the_global_batch_like_hsdp_replicas() -> None:
+    ft = _config(
+        fault_tolerance={"enable": True, "replica_groups": 3},
+        launch={"nproc_per_node": 2},
+        training={"local_batch_size": 2, "global_batch_size": 24},
+    )
+    hsdp = _config(
+        parallelism={"data_parallel_replicate_degree": 3},
+        launch={"nproc_per_node": 6},
+        training={"local_batch_size": 2, "global_batch_size": 24},
+    )
+    assert (ft.dp_degree, ft.grad_accum_steps) == (hsdp.dp_degree, hsdp.grad_accum_steps) == (6, 2)
+    off = _config(fault_tolerance={"enable": False, "replica_groups": 3})
+    assert off.dp_degree == 1  # the section is ignored while disabled
+
+
+def test_groups_read_disjoint_shares_of_the_global_order() -> None:
+    shards = [replica_data_shard(g, 3, r, 2) for g in range(3) for r in range(2)]
+    assert shards == [(i, 6) for i in range(6)]
+
+
+def test_the_healing_header_carries_no_pickle_and_refuses_objects() -> None:
+    header, tensors = encode_header({"w": torch.ones(2, 3), "step": 4, "name": "x"}, step=4)
+    assert b"pickle" not in header and header.startswith(b"{")
+    assert [t.shape for t in tensors] == [torch.Size([2, 3])]
+    with pytest.raises(TypeError, match="only tensors and JSON scalars"):
+        encode_header({"bad": object()}, step=1)
+
+
+def test_the_throughput_figure_gains_participants_over_time() -> None:
+    from titan_kedro.tracking import plots
+
+    rows = [{"step": s, "tps": 10.0, "mfu_pct": 1.0, "ft/participants": p}
+            for s, p in ((1, 2.0), (2, 1.0), (3, 1.0), (4, 2.0))]  # fmt: skip
+    axes = plots.plot_throughput(rows).axes
+    assert len(axes) == 3 and axes[2].get_ylabel() == "replica groups"
+    assert list(axes[2].lines[0].get_ydata()) == [2.0, 1.0, 1.0, 2.0]
+    plain = [{k: v for k, v in row.items() if k != "ft/participants"} for row in rows]
+    assert len(plots.plot_throughput(plain).axes) == 2
+
+
+def test_the_manager_server_binds_loopback_and_the_swap_is_undone() -> None:
+    from datetime import timedelta
+
+    import torchft.manager as manager_module
+    from torchft.coordination import LighthouseServer
+
+    from titan_kedro.ft.replica import _manager_server_on_loopback
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    port = lighthouse.address().rsplit(":", 1)[-1]
+    original = manager_module.ManagerServer
+    try:
+        with pytest.raises(RuntimeError, match="boom"), _manager_server_on_loopback():
+            server = manager_module.ManagerServer(
+                replica_id="probe", lighthouse_addr=f"http://127.0.0.1:{port}",
+                hostname="127.0.0.1", bind="[::]:0", store_addr="127.0.0.1:1", world_size=1,
+                heartbeat_interval=timedelta(seconds=1), connect_timeout=timedelta(seconds=5),
+                quorum_retries=0,
+            )  # fmt: skip
+            try:
+                served = int(server.address().rsplit(":", 1)[-1])
+                with socket.socket() as sock:  # listening on 127.0.0.1 …
+                    assert sock.connect_ex(("127.0.0.1", served)) == 0
+                with socket.socket(socket.AF_INET6) as sock:  # … and not on [::]
+                    assert sock.connect_ex(("::1", served)) != 0
+            finally:
+                server.shutdown()
+            raise RuntimeError("boom")
+    finally:
+        lighthouse.shutdown()
+    assert manager_module.ManagerServer is original
+
+
+def test_each_replica_group_has_its_own_system_metrics_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from titan_kedro.tracking.system_metrics import NodeSystemMetrics
+
+    monkeypatch.setenv("GROUP_RANK", "0")
+    monkeypatch.delenv("TITAN_KEDRO_REPLICA_ID", raising=False)
+    assert NodeSystemMetrics(1.0).node_id == "node-0"
+    monkeypatch.setenv("TITAN_KEDRO_REPLICA_ID", "1")
+    assert NodeSystemMetrics(1.0).node_id == "replica-1-node-0"

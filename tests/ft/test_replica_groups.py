@@ -1,0 +1,231 @@
+"""Fault-tolerant replica groups on CPU: 2 groups × 1 process, a tiny DeepSeek (MoE) model.
+
+- Without faults, ``kedro run`` with G = 2 logs the losses of HSDP with
+  ``data_parallel_replicate_degree=2`` (one torchrun, 2 ranks) step by step.
+- Group 1 SIGKILLed at step 5 of 12: group 0 keeps stepping, group 1 is restarted, heals
+  from group 0 and both finish; their states end bitwise equal and MLflow shows
+  ``ft/participants`` 2 → 1 → 2 and all 12 losses.
+- The lighthouses and every group process are gone after the run and after Ctrl-C.
+- A whole-job stop resumes from the leader's DCP checkpoint with an uninterrupted run's
+  losses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import psutil
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+from train.helpers import REPO, TINY_DEEPSEEK, run_worker, step_losses, tiny_job, write_token_dir
+
+from ft.ft_helpers import descendants_alive, ft_project, kedro_training, latest_run_metrics
+from titan_kedro.config import dump_job_config
+from titan_kedro.launch.replica_groups import ReplicaGroupLauncher
+from titan_kedro.launch.torchrun import TrainingFailedError
+from titan_kedro.models.resolve import resolve_job_config
+from titan_kedro.pipelines.training.nodes import train_model
+
+pytestmark = pytest.mark.slow
+
+FT_ON = {"enable": True, "replica_groups": 2, "heartbeat_timeout_s": 2.0, "step_timeout_s": 20.0}
+TINY_MOE = {"name": "deepseek_v2", "flavor": "debugmodel", "overrides": TINY_DEEPSEEK,
+            "custom_model_path": None}  # fmt: skip
+DEGRADED_DELAY_S = 15.0
+"""Steps without group 1 take this long, so group 0 still trains when the restarted group is
+back (a restart takes 10-60 s on a loaded 2-core machine; 7 degraded steps leave 105 s)."""
+LIGHTHOUSE_LINE = re.compile(
+    r"\[ft\] lighthouse (http://[\d.:]+), startup barrier (http://[\d.:]+)"
+)
+
+
+def _port_open(address: str) -> bool:
+    host, port = address.removeprefix("http://").rsplit(":", 1)
+    with socket.socket() as sock:
+        sock.settimeout(1.0)
+        return sock.connect_ex((host, int(port))) == 0
+
+
+def test_two_groups_train_like_hsdp_with_two_replicas_through_kedro_run(tmp_path: Path) -> None:
+    project = ft_project(tmp_path / "project", fault_tolerance={"replica_groups": 2})
+    kedro_training(project, "fault_tolerance.enable=true")
+    ft = latest_run_metrics(project, ("loss", "ft/participants", "ft/skipped_samples"))
+
+    # The same resolved config (the node's job_config.yaml) as one torchrun of 2 HSDP ranks.
+    hsdp_raw = yaml.safe_load(
+        (project / "data" / "07_model_output" / "job" / "job_config.yaml").read_text()
+    )
+    hsdp_raw["fault_tolerance"].update(enable=False, replica_groups=1)
+    hsdp_raw["parallelism"]["data_parallel_replicate_degree"] = 2
+    hsdp_raw["job"].update(dump_folder=str(tmp_path / "hsdp" / "job"), run_id=None)
+    hsdp_raw["launch"]["log_dir"] = str(tmp_path / "hsdp" / "logs")
+    hsdp_raw["checkpoint"]["folder"] = str(tmp_path / "hsdp" / "ckpt")
+    hsdp_raw["metrics"]["enable_mlflow"] = False
+    run_worker(hsdp_raw, nproc=2)
+    hsdp = step_losses(tmp_path / "hsdp" / "job")
+
+    assert sorted(ft["loss"]) == list(range(1, 13)) == sorted(hsdp)
+    for step, loss in hsdp.items():
+        assert abs(ft["loss"][step] - loss) <= 1e-5, (step, ft["loss"][step], loss)
+    assert set(ft["ft/participants"].values()) == {2.0}
+    assert set(ft["ft/skipped_samples"].values()) == {0.0}
+
+
+def _run_node_with_kill(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict, str]:
+    params = tiny_job(
+        tmp_path,
+        write_token_dir(tmp_path / "tokens"),
+        model=TINY_MOE,
+        training={"steps": 12},
+        lr_scheduler={"warmup_steps": 2},
+        parallelism={"expert_parallel_degree": 1},
+        metrics={"enable_mlflow": True},
+        fault_tolerance=FT_ON,
+    )
+    monkeypatch.setenv("TITAN_KEDRO_CRASH_AT_STEP", "5")
+    monkeypatch.setenv("TITAN_KEDRO_CRASH_GROUP", "1")
+    monkeypatch.setenv("TITAN_KEDRO_DEGRADED_STEP_DELAY_S", str(DEGRADED_DELAY_S))
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = mlflow.start_run()
+    try:
+        summary = train_model({"vocab_size": 512}, {}, **params)
+    finally:
+        mlflow.end_run()
+        mlflow.set_tracking_uri(None)
+    return {"summary": summary, "run_id": run.info.run_id}, capsys.readouterr().out
+
+
+def test_a_killed_group_restarts_heals_and_ends_equal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    result, console = _run_node_with_kill(tmp_path, capsys, monkeypatch)
+    assert result["summary"]["final_step"] == 12
+
+    assert "group 1 rank 0 SIGKILLs itself at step 5" in console
+    assert "[group 1] launching (attempt 1)" in console
+    assert re.search(r"replica group 1 healed from a live peer at step \d+", console)
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+    def history(key: str) -> dict[int, float]:
+        return {m.step: m.value for m in client.get_metric_history(result["run_id"], key)}
+
+    losses, participants = history("loss"), history("ft/participants")
+    assert len(client.get_metric_history(result["run_id"], "peak_tflops")) == 1  # one group logs
+    assert sorted(losses) == list(range(1, 13))
+    sequence = [participants[step] for step in sorted(participants)]
+    changes = [value for i, value in enumerate(sequence) if i == 0 or value != sequence[i - 1]]
+    assert changes == [2.0, 1.0, 2.0], sequence
+    assert participants[4] == 2.0 and participants[5] == 1.0 and sequence[-1] == 2.0
+    heals = history("ft/heal_s")
+    assert len(heals) == 1 and 0 < next(iter(heals.values())) < 60
+    degraded = sum(1 for value in sequence if value == 1.0)
+    skipped = history("ft/skipped_samples")
+    assert skipped[12] == degraded * 2  # one group × local batch 2 per degraded step
+    # Group 0 never waited longer than the heartbeat timeout + the test's delay + a step.
+    step_times = history("step_time_s")
+    assert max(step_times[s] for s in range(5, 13)) < 2.0 + DEGRADED_DELAY_S + 20.0
+
+    digests = {
+        path.name: json.loads(path.read_text())
+        for path in (tmp_path / "job" / "ft").glob("replica-*-rank-0.json")
+    }
+    assert set(digests) == {"replica-0-rank-0.json", "replica-1-rank-0.json"}
+    assert digests["replica-0-rank-0.json"] == digests["replica-1-rank-0.json"]
+    assert digests["replica-0-rank-0.json"]["step"] == 12
+
+    # Nothing is left running: no group process, no lighthouse.
+    leftovers = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert descendants_alive(sorted(leftovers)) == []
+    match = LIGHTHOUSE_LINE.search(console)
+    assert match is not None
+    assert not _port_open(match.group(1)) and not _port_open(match.group(2))
+
+
+LAUNCHER = """
+import sys
+from titan_kedro.config import dump_job_config
+from titan_kedro.launch.replica_groups import ReplicaGroupLauncher
+from titan_kedro.models.resolve import resolve_job_config
+import yaml
+
+raw = yaml.safe_load(open(sys.argv[1]))
+cfg = resolve_job_config(raw).config
+ReplicaGroupLauncher(cfg, dump_job_config(cfg, sys.argv[2])).run()
+"""
+
+
+def test_ctrl_c_stops_every_group_and_the_lighthouses(tmp_path: Path) -> None:
+    raw = tiny_job(tmp_path, write_token_dir(tmp_path / "tokens"), training={"steps": 100_000},
+                   fault_tolerance=FT_ON)  # fmt: skip
+    config = tmp_path / "raw.yaml"
+    config.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    out = (tmp_path / "launcher.log").open("w")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(config), str(tmp_path / "job" / "job.yaml")],
+        env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    metrics = tmp_path / "job" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the groups never trained 3 steps"
+        time.sleep(0.5)
+    tree = [p.pid for p in psutil.Process(launcher.pid).children(recursive=True)]
+    assert len(tree) >= 4  # two torchrun agents and their workers
+    match = LIGHTHOUSE_LINE.search((tmp_path / "launcher.log").read_text())
+    assert match is not None and _port_open(match.group(1))
+
+    launcher.send_signal(signal.SIGINT)
+    launcher.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while descendants_alive(tree) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert descendants_alive(tree) == []
+    assert not _port_open(match.group(1)) and not _port_open(match.group(2))
+
+
+def _launch_groups(tmp_path: Path, name: str, checkpoint: dict, env: dict | None = None) -> Path:
+    raw = tiny_job(
+        tmp_path / name,
+        tmp_path / "tokens",
+        training={"steps": 8},
+        checkpoint={"folder": str(tmp_path / f"ckpt-{name}"), "interval": 2, **checkpoint},
+        fault_tolerance={**FT_ON, "max_group_restarts": 0},
+    )
+    cfg = resolve_job_config(raw).config
+    config = dump_job_config(cfg, tmp_path / name / "job_config.yaml")
+    with (tmp_path / f"{name}.log").open("a") as console:
+        ReplicaGroupLauncher(cfg, config, extra_env=env, console=console).run()
+    return tmp_path / name / "job"
+
+
+def test_a_whole_job_stop_resumes_from_the_leaders_checkpoint(tmp_path: Path) -> None:
+    write_token_dir(tmp_path / "tokens")
+    straight = step_losses(_launch_groups(tmp_path, "straight", {}))
+    with pytest.raises(TrainingFailedError):  # rank 0 of every group exits at step 6
+        _launch_groups(tmp_path, "stopped", {}, env={"TITAN_KEDRO_CRASH_AT_STEP": "6"})
+    saved = sorted(p.name for p in (tmp_path / "ckpt-stopped").glob("step-*"))
+    assert saved == ["step-2", "step-4"]
+    resume = {
+        "folder": str(tmp_path / "ckpt-stopped"),
+        "resume": str(tmp_path / "ckpt-stopped" / "step-4"),
+    }
+    resumed = step_losses(_launch_groups(tmp_path, "stopped", resume))
+    assert sorted(resumed) == list(range(1, 9))
+    for step in range(5, 9):
+        assert resumed[step] == pytest.approx(straight[step], abs=1e-6), step
