@@ -8,11 +8,13 @@ Output is streamed with a ``[group g]`` prefix. A group that dies is restarted (
 +1, up to ``fault_tolerance.max_group_restarts``) while another group still trains, and
 heals from it; when every group has finished, the job is done. On any way out (success,
 failure, Ctrl-C, ``launch.timeout_s``) every group's process tree and the lighthouses
-are stopped.
+are stopped. This process holds the run folder's lock (``train.run_lock``) for the whole
+job, since the groups share it; each group's torchrun ends with this process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -39,6 +41,7 @@ from titan_kedro.launch.torchrun import (
     start_torchrun,
     stop_torchrun,
 )
+from titan_kedro.train.run_lock import hold_run_folder
 
 POLL_S = 0.2
 
@@ -148,6 +151,20 @@ class ReplicaGroupLauncher:
         deadline = (
             time.monotonic() + self.cfg.launch.timeout_s if self.cfg.launch.timeout_s else None
         )
+        ckpt = self.cfg.checkpoint
+        with (
+            hold_run_folder(
+                ckpt.folder,
+                timeout_s=ckpt.lock_timeout_s,
+                break_lock=ckpt.break_lock,
+                run_id=self.cfg.job.run_id,
+            )
+            if ckpt.enable
+            else contextlib.nullcontext()
+        ):
+            self._run_groups(ft, deadline)
+
+    def _run_groups(self, ft: Any, deadline: float | None) -> None:
         self.lighthouses = Lighthouses.start(ft)
         self._echo(
             f"[ft] lighthouse {self.lighthouses.quorum_address}, startup barrier "

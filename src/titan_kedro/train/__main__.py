@@ -53,9 +53,13 @@ def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def run_folder_held(cfg: Any, rank: int) -> contextlib.AbstractContextManager[Any]:
-    """Rank 0 holds the run folder's lock while it trains (``train.run_lock``)."""
+    """Rank 0 holds the run folder's lock while it trains (``train.run_lock``).
+
+    Fault-tolerant replica groups share one run folder: their launcher holds the lock for
+    the whole job (``launch.replica_groups``), so no group's rank 0 takes it.
+    """
     ckpt = cfg.checkpoint
-    if rank != 0 or not ckpt.enable:
+    if rank != 0 or not ckpt.enable or cfg.fault_tolerance.enable:
         return contextlib.nullcontext()
     return hold_run_folder(
         ckpt.folder,

@@ -1,7 +1,7 @@
 """One writer per run folder: a lock file naming the process that trains into it.
 
 Rank 0 of the worker group takes ``<run folder>/writer.lock`` before training and removes
-it at the end; the training node checks it before launching, so a continue
+it at the end (fault-tolerant replica groups: their launcher, for the whole job); the training node checks it before launching, so a continue
 (``checkpoint.resume``) or a restart by hand while the run still trains fails at once,
 naming the holder. The file holds the holder's pid, host, process start time, run id and
 torchrun run id, and rank 0 refreshes its modification time as a heartbeat.
