@@ -2,12 +2,13 @@
 
 The model is built on the meta device and given fake (shape-only) CPU tensors, sharded by
 the spec's own ``parallelize_fn`` on the fake process group, and then runs the trainer's
-step twice — forward (with document masking), the (fused) loss, backward, gradient
-clipping, optimizer step — under ``FakeTensorMode`` while ``FSDPMemTracker`` (or
-``MemTracker`` for the unsharded one-rank model) follows every allocation by category.
-The second step (optimizer state exists by then) is the one reported: its peak, the
-parts at that peak, where it happened (module and phase), the bytes each block keeps
-for backward, and FLOPs / roofline seconds from ``RooflineCounter``.
+step — forward (with document masking), the (fused) loss, backward, gradient norms,
+optimizer step — under ``FakeTensorMode`` while ``FSDPMemTracker`` (or ``MemTracker``
+for the unsharded one-rank model) follows every allocation by category. The optimizer
+state is created first (zero gradients, one optimizer step), so the tracked step is a
+steady-state one: its peak, the parts at that peak, where it happened (module and
+phase), the bytes each block keeps for backward, and FLOPs / roofline seconds from
+``RooflineCounter``.
 
 Values the step reads (MoE token counts) come from ``KnownValues``: routing is assumed
 balanced. Nothing is computed for real and nothing touches a GPU: a CUDA plan runs the
@@ -78,7 +79,7 @@ class StepMeasurement:
     block_input_bytes: dict[str, int]
     """Bytes of each block's input (what a checkpointed block keeps instead)."""
     roofline: RooflineTotals
-    """FLOPs, bytes and roofline seconds of the second step."""
+    """FLOPs, bytes and roofline seconds of the step."""
     checkpointed: list[str] = field(default_factory=list)
     """Blocks wrapped for recomputation in this step."""
 
@@ -106,10 +107,15 @@ class _PlainTracker(_PeakWhere, MemTracker):
     pass
 
 
-def fake_model(spec: Any, model_args: Any) -> nn.Module:
-    """The spec's model with fake CPU parameters and buffers (call inside ``FakeTensorMode``)."""
-    with torch.device("meta"):
-        model = spec.build_model(model_args)
+def fake_model(model: nn.Module) -> nn.Module:
+    """Give a meta-device model (sharded or not) fake CPU storage; call inside ``FakeTensorMode``.
+
+    FSDP2 modules take ``to_empty`` (it re-creates their sharded parameters); the others
+    get their parameters and buffers replaced one by one (``to_empty`` cannot swap a
+    meta parameter for a fake one).
+    """
+    if isinstance(model, FSDPModule):
+        return model.to_empty(device="cpu")
     for module in model.modules():
         for name, param in module._parameters.items():
             if param is not None:
@@ -122,6 +128,15 @@ def fake_model(spec: Any, model_args: Any) -> nn.Module:
     return model
 
 
+def _create_optimizer_state(model: nn.Module, optimizers: Any) -> None:
+    """Let the optimizer allocate its state (zero gradients, one step), as after step 1."""
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    optimizers.step()
+    optimizers.zero_grad()
+
+
 def measure_step(
     resolved: Any,
     parallel_dims: Any,
@@ -130,7 +145,7 @@ def measure_step(
     bandwidth: float,
     checkpointed: list[str] | None = None,
 ) -> StepMeasurement:
-    """Run two fake training steps of ``resolved`` on rank 0 of the fake world and measure.
+    """Run one fake training step of ``resolved`` on rank 0 of the fake world and measure it.
 
     Args:
         resolved: The resolved job (its ``training.activation_checkpoint`` is applied, or
@@ -142,7 +157,7 @@ def measure_step(
         checkpointed: Block names to recompute (``activation_checkpoint: auto``).
 
     Returns:
-        The measurement of the second step.
+        The measurement of the step (optimizer state already allocated).
     """
     cfg, spec = resolved.config, resolved.spec
     if checkpointed is not None:
@@ -150,18 +165,19 @@ def measure_step(
             update={"activation_checkpoint": "auto", "activation_checkpoint_blocks": checkpointed}
         )
         cfg = cfg.model_copy(update={"training": training})
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # device meshes stay real
-    with fake_mode:
-        model = fake_model(spec, resolved.model_args)
+    with torch.device("meta"):
+        model = spec.build_model(resolved.model_args)
     fused = uses_fused_loss(cfg, spec, model)
     loss_fn = FusedOutputLoss(defer_output_projection(model)) if fused else spec.build_loss_fn(cfg)
     masking = cfg.training.document_masking and takes_document_ids(model)
     blocks = dict(model.layers.items())
-    model = spec.parallelize_fn(model, parallel_dims, cfg)
+    model = spec.parallelize_fn(model, parallel_dims, cfg)  # on meta: fast at any world size
     wrapped = [name for name, block in model.layers.items() if block is not blocks[name]]
     autocast = autocast_dtype(model, cfg, parallel_dims.device)
     seq, batch = cfg.training.seq_len, cfg.training.local_batch_size
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # device meshes stay real
     with fake_mode, separate_chunk_buffers():
+        model = fake_model(model)
         optimizers = spec.build_optimizers_fn([model], cfg)
         tracker: Any
         if isinstance(model, FSDPModule):
@@ -169,29 +185,26 @@ def measure_step(
         else:
             tracker = _PlainTracker()
             tracker.track_external(model, *optimizers.optimizers)
-        tracker.peak_at = {"module": "(none)", "phase": "(none)"}
         roofline = RooflineCounter(peak_flops, bandwidth)
         inputs_seen: dict[str, int] = {}
         with tracker, KnownValues(), _block_hooks(model, roofline, inputs_seen):
-            for step in range(2):
-                if step == 1:
-                    tracker.reset_mod_stats()
-                    _reset_peak(tracker)
-                tokens = torch.randint(0, 2, (batch, seq))
-                extra = document_inputs(tokens, FAKE_BOS_ID if masking else None)
-                context = roofline if step == 1 else _nothing()
-                with context:
-                    with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-                        loss = loss_fn(model(tokens, **extra), tokens)
-                    if hasattr(model, "moe_aux_loss"):
-                        loss = loss + model.moe_aux_loss()
-                    loss.backward()
-                    params = [p for p in model.parameters() if p.requires_grad]
-                    # Norms only: the clip is an in-place multiply whose condition reads
-                    # the norm's value, which a fake step does not have.
-                    clip_grad_norm_(params, 0.0)
-                    optimizers.step()
-                    optimizers.zero_grad()
+            _create_optimizer_state(model, optimizers)
+            tracker.reset_mod_stats()
+            _reset_peak(tracker)
+            tokens = torch.randint(0, 2, (batch, seq))
+            extra = document_inputs(tokens, FAKE_BOS_ID if masking else None)
+            with roofline:
+                with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                    loss = loss_fn(model(tokens, **extra), tokens)
+                if hasattr(model, "moe_aux_loss"):
+                    loss = loss + model.moe_aux_loss()
+                loss.backward()
+                params = [p for p in model.parameters() if p.requires_grad]
+                # Norms only: the clip is an in-place multiply whose condition reads the
+                # norm's value, which a fake step does not have.
+                clip_grad_norm_(params, 0.0)
+                optimizers.step()
+                optimizers.zero_grad()
         snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
         saved = _block_saved_bytes(tracker, model)
     parts: dict[str, int] = {}
@@ -212,15 +225,10 @@ def measure_step(
 
 
 def _reset_peak(tracker: Any) -> None:
-    """Start the second step's peak from what is allocated now (the first step's is gone)."""
+    """Start the peak afresh from what is allocated now (the optimizer state)."""
     tracker._peak_mem_snap = tracker.get_tracker_snapshot()
     tracker._peak_mem = {dev: snap["Total"] for dev, snap in tracker._peak_mem_snap.items()}
     tracker.peak_at = {"module": "(none)", "phase": "(none)"}
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 @contextmanager

@@ -14,8 +14,8 @@ CPU ("companion") and answers such reads from it. Values are known for
 - ``all_to_all_single`` of a known tensor: every rank is assumed to route as this one,
   so what arrives is what was sent.
 
-Only tensors of at most ``MAX_KNOWN_ELEMENTS`` elements get a companion, so no
-activation-sized tensor is ever computed for real.
+Only scalars and integer or bool tensors of at most ``MAX_KNOWN_ELEMENTS`` elements get a
+companion, so no weight or activation is ever computed for real.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-MAX_KNOWN_ELEMENTS = 1 << 20
+MAX_KNOWN_ELEMENTS = 1 << 22
 """Largest tensor (elements) whose values are carried: routing indices of a micro-batch."""
 
 _aten = torch.ops.aten
@@ -142,7 +142,7 @@ class KnownValues(TorchDispatchMode):
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
     ) -> None:
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if not outputs or any(t.numel() > MAX_KNOWN_ELEMENTS for t in outputs):
+        if not outputs or any(not _small_count(t) for t in outputs):
             return
         if func in _SHAPE_ONLY:
             self._real[outputs[0]] = self._run_real(func, (_blank(args[0]), *args[1:]), kwargs)
@@ -152,8 +152,6 @@ class KnownValues(TorchDispatchMode):
             for tensor in _written(func, args, kwargs):  # from unknown values: forget
                 self._real.pop(tensor, None)
             return
-        if any(t.dtype.is_floating_point and t.numel() > 1 for t in outputs) and not inputs:
-            return  # a float factory (weights, activations): values never read
         real_out = self._run_real(func, args, kwargs)
         for fake, real in zip(outputs, tree_flatten(real_out)[0], strict=False):
             if isinstance(real, torch.Tensor):
@@ -179,6 +177,13 @@ def _grouped_mm_output(
     else:
         shape = (mat_a.shape[0], mat_a.shape[1], mat_b.shape[-1])
     return mat_a.new_empty(shape, dtype=out_dtype or mat_a.dtype)
+
+
+def _small_count(tensor: torch.Tensor) -> bool:
+    """Whether values of ``tensor`` are carried: small integer/bool tensors and scalars."""
+    if tensor.numel() == 1:
+        return True
+    return not tensor.dtype.is_floating_point and tensor.numel() <= MAX_KNOWN_ELEMENTS
 
 
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
