@@ -17,8 +17,9 @@ same step on the CPU in the GPU's compute dtype (see ``planner.cuda_corrections`
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,8 @@ class StepMeasurement:
     """FLOPs, bytes and roofline seconds of the step."""
     checkpointed: list[str] = field(default_factory=list)
     """Blocks wrapped for recomputation in this step."""
+    real_step_s: float | None = None
+    """Wall seconds of the same step run untracked (real runs only)."""
 
 
 class _PeakWhere:
@@ -144,8 +147,12 @@ def measure_step(
     peak_flops: float,
     bandwidth: float,
     checkpointed: list[str] | None = None,
+    fake: bool = True,
 ) -> StepMeasurement:
     """Run one fake training step of ``resolved`` on rank 0 of the fake world and measure it.
+
+    With ``fake=False`` the same step runs for real (initialised weights, random tokens, on
+    the real process group of a CPU job): the check of the fake measurement.
 
     Args:
         resolved: The resolved job (its ``training.activation_checkpoint`` is applied, or
@@ -155,6 +162,7 @@ def measure_step(
         peak_flops: Planned device FLOP/s for the roofline.
         bandwidth: Planned device memory bytes/s for the roofline.
         checkpointed: Block names to recompute (``activation_checkpoint: auto``).
+        fake: Fake tensors (the plan) or real ones (the check).
 
     Returns:
         The measurement of the step (optimizer state already allocated).
@@ -175,9 +183,12 @@ def measure_step(
     wrapped = [name for name, block in model.layers.items() if block is not blocks[name]]
     autocast = autocast_dtype(model, cfg, parallel_dims.device)
     seq, batch = cfg.training.seq_len, cfg.training.local_batch_size
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # device meshes stay real
-    with fake_mode, separate_chunk_buffers():
-        model = fake_model(model)
+    vocab = int(getattr(resolved.model_args, "vocab_size", 2))
+    # Device meshes stay real tensors inside the fake mode.
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
+    timed_s = None
+    with mode, separate_chunk_buffers():
+        model = fake_model(model) if fake else _real_model(model, cfg.job.seed)
         optimizers = spec.build_optimizers_fn([model], cfg)
         tracker: Any
         if isinstance(model, FSDPModule):
@@ -187,24 +198,19 @@ def measure_step(
             tracker.track_external(model, *optimizers.optimizers)
         roofline = RooflineCounter(peak_flops, bandwidth)
         inputs_seen: dict[str, int] = {}
-        with tracker, KnownValues(), _block_hooks(model, roofline, inputs_seen):
+        values = KnownValues() if fake else nullcontext()
+        with tracker, values, _block_hooks(model, roofline, inputs_seen):
             _create_optimizer_state(model, optimizers)
             tracker.reset_mod_stats()
             _reset_peak(tracker)
-            tokens = torch.randint(0, 2, (batch, seq))
+            tokens = torch.randint(0, vocab, (batch, seq))
             extra = document_inputs(tokens, FAKE_BOS_ID if masking else None)
             with roofline:
-                with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-                    loss = loss_fn(model(tokens, **extra), tokens)
-                if hasattr(model, "moe_aux_loss"):
-                    loss = loss + model.moe_aux_loss()
-                loss.backward()
-                params = [p for p in model.parameters() if p.requires_grad]
-                # Norms only: the clip is an in-place multiply whose condition reads the
-                # norm's value, which a fake step does not have.
-                clip_grad_norm_(params, 0.0)
-                optimizers.step()
-                optimizers.zero_grad()
+                _train_step(model, loss_fn, optimizers, tokens, extra, autocast)
+        if not fake:  # the same step untracked, timed (for the roofline's ratio)
+            start = time.perf_counter()
+            _train_step(model, loss_fn, optimizers, tokens, extra, autocast)
+            timed_s = time.perf_counter() - start
         snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
         saved = _block_saved_bytes(tracker, model)
     parts: dict[str, int] = {}
@@ -221,7 +227,39 @@ def measure_step(
         block_input_bytes=inputs_seen,
         roofline=roofline.totals,
         checkpointed=wrapped,
+        real_step_s=timed_s,
     )
+
+
+def _train_step(
+    model: nn.Module,
+    loss_fn: Any,
+    optimizers: Any,
+    tokens: torch.Tensor,
+    extra: dict[str, torch.Tensor],
+    autocast: torch.dtype | None,
+) -> None:
+    """The trainer's step on one micro-batch: forward, loss, backward, norms, update."""
+    with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+        loss = loss_fn(model(tokens, **extra), tokens)
+    if hasattr(model, "moe_aux_loss"):
+        loss = loss + model.moe_aux_loss()
+    loss.backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    # Norms only: the clip is an in-place multiply whose condition reads the norm's
+    # value, which a fake step does not have.
+    clip_grad_norm_(params, 0.0)
+    optimizers.step()
+    optimizers.zero_grad()
+
+
+def _real_model(model: nn.Module, seed: int) -> nn.Module:
+    """Allocate a (sharded) meta model on the CPU and initialise it, as the trainer would."""
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights()
+    return model
 
 
 def _reset_peak(tracker: Any) -> None:
