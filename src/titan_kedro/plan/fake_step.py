@@ -140,6 +140,14 @@ def _create_optimizer_state(model: nn.Module, optimizers: Any) -> None:
     optimizers.zero_grad()
 
 
+def with_checkpointed(job_config: Any, blocks: list[str]) -> Any:
+    """A copy of ``job_config`` recomputing exactly ``blocks`` (``activation_checkpoint: auto``)."""
+    training = job_config.training.model_copy(
+        update={"activation_checkpoint": "auto", "activation_checkpoint_blocks": list(blocks)}
+    )
+    return job_config.model_copy(update={"training": training})
+
+
 def measure_step(
     resolved: Any,
     parallel_dims: Any,
@@ -167,12 +175,8 @@ def measure_step(
     Returns:
         The measurement of the step (optimizer state already allocated).
     """
-    cfg, spec = resolved.config, resolved.spec
-    if checkpointed is not None:
-        training = cfg.training.model_copy(
-            update={"activation_checkpoint": "auto", "activation_checkpoint_blocks": checkpointed}
-        )
-        cfg = cfg.model_copy(update={"training": training})
+    spec = resolved.spec
+    cfg = resolved.config if checkpointed is None else with_checkpointed(resolved.config, checkpointed)
     with torch.device("meta"):
         model = spec.build_model(resolved.model_args)
     fused = uses_fused_loss(cfg, spec, model)

@@ -15,7 +15,7 @@ from titan_kedro.models.resolve import ResolvedJob
 from titan_kedro.plan.checkpoint_choice import BlockCost, choose_recompute
 from titan_kedro.plan.cuda_kernels import AttentionCorrection, cuda_attention
 from titan_kedro.plan.devices import planned_device, planned_kind
-from titan_kedro.plan.fake_step import StepMeasurement, measure_step
+from titan_kedro.plan.fake_step import StepMeasurement, measure_step, with_checkpointed
 from titan_kedro.plan.fake_world import fake_process_group
 from titan_kedro.plan.memory import activation_bytes, measure_sharded
 from titan_kedro.train.fused_loss import uses_fused_loss
@@ -92,8 +92,8 @@ def build_plan(resolved: ResolvedJob) -> dict[str, Any]:
             activation_checkpoint=_formula_mode(cfg.training.activation_checkpoint),
             fused_loss=fused,
         )
-        sharded = measure_sharded(
-            spec.parallelize_fn(model, dims, cfg),
+        sharded = measure_sharded(  # checkpointing does not change what is sharded
+            spec.parallelize_fn(model, dims, with_checkpointed(cfg, [])),
             compute_dtype=compute_dtype,
             reduce_dtype=reduce_dtype,
             world_size=world,
@@ -392,21 +392,21 @@ def _suggestions(plan: dict[str, Any], resolved: ResolvedJob) -> list[str]:
             f"{plan['layout']['dp_shard']}): each rank then gathers only its own experts "
             f"(gathered parameters are {gib['gathered_params']:.1f} GiB now)"
         )
-    acts = gib["activations"]
-    if cfg.training.activation_checkpoint != "full" and acts > 0.05 * budget:
+    acts = gib["activations"] + gib["temporaries"]
+    if cfg.training.activation_checkpoint not in ("full", "auto") and acts > 0.05 * budget:
         out.append(
-            f"training.activation_checkpoint: full (activations are {acts:.1f} GiB per "
-            "micro-batch now)"
+            f"training.activation_checkpoint: auto or full (activations and temporaries are "
+            f"{acts:.1f} GiB at the peak now)"
         )
-    if cfg.training.local_batch_size > 1 and acts + gib["loss"] > 0.05 * budget:
+    if cfg.training.local_batch_size > 1 and acts > 0.05 * budget:
         out.append(
             f"a smaller micro-batch: training.local_batch_size "
             f"{cfg.training.local_batch_size} → 1 with training.global_batch_size kept "
-            f"(accumulation) divides activations and loss buffers ({acts + gib['loss']:.1f} "
-            f"GiB) by {cfg.training.local_batch_size}"
+            f"(accumulation) shrinks activations and loss buffers ({acts:.1f} GiB)"
         )
-    if not plan["fused_loss"] and gib["loss"] > 0.05 * budget:
-        out.append(f"training.fused_loss: true (the full logits take {gib['loss']:.1f} GiB)")
+    logits = plan["formula_cross_check"]["loss"] / GIB
+    if not plan["fused_loss"] and logits > 0.05 * budget:
+        out.append(f"training.fused_loss: true (the full logits take about {logits:.1f} GiB)")
     return out
 
 
@@ -424,14 +424,35 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"{plan['fused_loss']}, {plan['micro_batch_tokens']} tokens per micro-batch",
         "  per rank: "
         + ", ".join(f"{kind} {gib[kind]:.2f}" for kind in KINDS)
-        + f" — total {gib['total']:.2f} GiB",
+        + f" — peak {gib['total']:.2f} GiB in {plan['peak_at']['phase']} at "
+        f"{plan['peak_at']['module']} (measured: one fake step"
+        + (", extrapolated per block" if plan["extrapolated"] else "")
+        + ")",
         f"  {'fits' if plan['fits'] else 'DOES NOT FIT'}: headroom {plan['headroom_gib']:.2f} GiB",
         f"  cost: {cost['flops_per_step']:.3g} FLOPs/step, {cost['step_time_s']:.3g} s/step and "
         f"{cost['wall_time_h']:.3g} h for {cost['steps']} steps ({cost['device_hours']:.3g} "
-        f"device-hours) at MFU {cost['assumed_mfu']:.0%} of {cost['peak_tflops']:.3g} TFLOP/s",
+        f"device-hours) at MFU {cost['assumed_mfu']:.0%} of {cost['peak_tflops']:.3g} TFLOP/s;"
+        f" roofline of the fake step {cost['roofline_step_time_s']:.3g} s/step",
     ]
+    if plan["checkpoint_choice"]:
+        choice = plan["checkpoint_choice"]
+        lines.append(
+            f"  activation checkpointing ({choice['chosen_by']}): recompute blocks "
+            f"{choice['blocks'] or 'none'}"
+        )
     lines += [f"  would help: {s}" for s in plan.get("suggestions", [])]
     return "\n".join(lines)
+
+
+def apply_plan_choices(job_config: Any, plan: dict[str, Any]) -> None:
+    """Write what the plan chose into the job config the workers get.
+
+    With ``training.activation_checkpoint: auto`` and no blocks named, the blocks the
+    plan measured fitting become ``training.activation_checkpoint_blocks``.
+    """
+    training = job_config.training
+    if training.activation_checkpoint == "auto" and training.activation_checkpoint_blocks is None:
+        training.activation_checkpoint_blocks = list(plan["activation_checkpoint_blocks"])
 
 
 def check_plan_fits(plan: dict[str, Any], *, enforce: bool = True) -> None:
