@@ -53,8 +53,7 @@ def apply_ac(model: nn.Module, mode: AcMode, blocks: list[str] | None = None) ->
     """
     if mode not in ("none", "selective", "full", "auto"):
         raise ValueError(
-            f"training.activation_checkpoint={mode!r} is unknown; use none, selective, full "
-            "or auto"
+            f"training.activation_checkpoint={mode!r} is unknown; use none, selective, full or auto"
         )
     if mode == "none":
         return model

@@ -39,7 +39,7 @@ def cuda_attention() -> Iterator[AttentionCorrection]:
     record = AttentionCorrection()
     original = F.scaled_dot_product_attention
 
-    def fused(
+    def fused(  # noqa: PLR0917 (F.scaled_dot_product_attention's signature)
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,

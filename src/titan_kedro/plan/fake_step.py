@@ -176,7 +176,11 @@ def measure_step(
         The measurement of the step (optimizer state already allocated).
     """
     spec = resolved.spec
-    cfg = resolved.config if checkpointed is None else with_checkpointed(resolved.config, checkpointed)
+    cfg = (
+        resolved.config
+        if checkpointed is None
+        else with_checkpointed(resolved.config, checkpointed)
+    )
     with torch.device("meta"):
         model = spec.build_model(resolved.model_args)
     fused = uses_fused_loss(cfg, spec, model)
@@ -210,10 +214,10 @@ def measure_step(
             tokens = torch.randint(0, vocab, (batch, seq))
             extra = document_inputs(tokens, FAKE_BOS_ID if masking else None)
             with roofline:
-                _train_step(model, loss_fn, optimizers, tokens, extra, autocast)
+                _train_step(model, loss_fn, optimizers, tokens, extra=extra, autocast=autocast)
         if not fake:  # the same step untracked, timed (for the roofline's ratio)
             start = time.perf_counter()
-            _train_step(model, loss_fn, optimizers, tokens, extra, autocast)
+            _train_step(model, loss_fn, optimizers, tokens, extra=extra, autocast=autocast)
             timed_s = time.perf_counter() - start
         snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
         saved = _block_saved_bytes(tracker, model)
@@ -240,6 +244,7 @@ def _train_step(
     loss_fn: Any,
     optimizers: Any,
     tokens: torch.Tensor,
+    *,
     extra: dict[str, torch.Tensor],
     autocast: torch.dtype | None,
 ) -> None:
@@ -306,7 +311,9 @@ def _block_saved_bytes(tracker: Any, model: nn.Module) -> dict[str, int]:
         name = by_module.get(module)
         if name is None:
             continue
-        snaps = {getattr(state, "value", str(state)): snap for state, snap in stats.snapshots.items()}
+        snaps = {
+            getattr(state, "value", str(state)): snap for state, snap in stats.snapshots.items()
+        }
         pre = snaps.get("Before Pre-Forward") or snaps.get("Pre-Forward")
         post = snaps.get("After Post-Forward") or snaps.get("Post-Forward")
         if not pre or not post:

@@ -58,7 +58,11 @@ class KnownValues(TorchDispatchMode):
         self._real: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
     ) -> Any:
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor desugar into local ops first

@@ -207,7 +207,9 @@ class _StepPlanner:
         leading = int(getattr(args, "first_k_dense_replace", 0) or 0)
         measured = leading + MEASURED_REPEATS
         self.extrapolated = (
-            n_blocks > FULL_STEP_MAX_BLOCKS and measured < n_blocks and dataclasses.is_dataclass(args)
+            n_blocks > FULL_STEP_MAX_BLOCKS
+            and measured < n_blocks
+            and dataclasses.is_dataclass(args)
         )
         self.n_blocks = n_blocks
         self.measured_blocks = measured if self.extrapolated else n_blocks
@@ -271,7 +273,10 @@ class _StepPlanner:
             flops=small.roofline.flops * self.n_blocks / self.measured_blocks,
             by_block={
                 **small.roofline.by_block,
-                **{str(i): small.roofline.by_block.get(last, 0.0) for i in range(self.measured_blocks, self.n_blocks)},
+                **{
+                    str(i): small.roofline.by_block.get(last, 0.0)
+                    for i in range(self.measured_blocks, self.n_blocks)
+                },
             },
         )
         checkpointed = list(small.checkpointed)

@@ -28,12 +28,20 @@ def _cpu_sdpa_flop(
 
 
 def _cpu_sdpa_backward_flop(
-    grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any
+    grad_out: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    *args: Any,
+    out_shape: Any = None,
+    **kwargs: Any,
 ) -> int:
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
-def _grouped_mm_flop(mat_a: Any, mat_b: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+def _grouped_mm_flop(
+    mat_a: Any, mat_b: Any, *args: Any, out_shape: Any = None, **kwargs: Any
+) -> int:
     # Every output element is a dot product over the contracted dimension (groups only
     # partition the rows): 2 · |out| · K, with K = mat_a's last dimension except for the
     # weight gradient (2-D × 2-D, out [groups, M, N]), which contracts the rows instead.
@@ -77,13 +85,19 @@ class RooflineCounter(TorchDispatchMode):
         super().__init__()
         self.peak_flops = peak_flops
         self.bandwidth = bandwidth
-        self.formulas = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS).flop_registry
+        self.formulas = FlopCounterMode(
+            display=False, custom_mapping=EXTRA_FLOP_FORMULAS
+        ).flop_registry
         self.totals = RooflineTotals()
         self.block: str | None = None
         """The block whose forward is running (set by ``count_blocks``'s hooks)."""
 
     def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
     ) -> Any:
         if any(t is DTensor for t in types):
             return NotImplemented
