@@ -41,7 +41,7 @@ from titan_kedro.train.hf_init import load_hf_weights
 from titan_kedro.train.metrics import (
     MetricsLogger,
     expert_load_stats,
-    memory_gib,
+    memory_metrics,
     peak_tflops,
 )
 from titan_kedro.train.parallel_dims import ParallelDims
@@ -372,7 +372,7 @@ class Trainer:
                         tps=tps,
                         tflops=tflops,
                         mfu_pct=100.0 * tflops / self.peak_tflops if self.peak_tflops else 0.0,
-                        memory_gib=memory_gib(self.device),
+                        **memory_metrics(self.device),
                         tokens_seen=self.state.tokens_seen,
                     )
                     self.metrics.log(step, step_metrics)
