@@ -21,6 +21,7 @@ from titan_kedro.plan import (
     format_plan,
     planner,
 )
+from titan_kedro.plan.checkpoint_choice import BlockCost, choose_recompute
 from titan_kedro.plan.real_check import measure_real
 
 VOCAB = 2048
@@ -32,7 +33,7 @@ def _raw(**sections: dict[str, Any]) -> dict[str, Any]:
     raw: dict[str, Any] = {"model": SMALL, "metrics": {"peak_tflops": 1.0}}
     raw["plan"] = {"device_memory_gib": 16.0, **sections.pop("plan", {})}
     raw["training"] = {
-        "seq_len": 256,
+        "seq_len": 128,
         "local_batch_size": 4,
         "device": "cpu",
         **sections.pop("training", {}),
@@ -129,31 +130,32 @@ def _losses(resolved: Any, steps: int = 3) -> list[float]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
 def test_cuda_plan_measures_the_gpu_attention_kernel_and_says_so() -> None:
-    cpu = _plan(model={"name": "deepseek_v2", "flavor": "debugmodel"})
+    model = {"name": "deepseek_v2", "flavor": "debugmodel", "overrides": {"vocab_size": VOCAB}}
+    cpu = _plan(model=model)
     cuda = _plan(
-        model={"name": "deepseek_v2", "flavor": "debugmodel"},
+        model=model,
         training={"device": "cuda"},
         plan={"gpu": "H100", "device_memory_gib": None},
     )
     assert cuda["compute_dtype"] == "bfloat16" and cuda["device_memory_gib"] == 80.0
     attention = cuda["cuda_corrections"][0]
-    assert attention["what"] == "attention" and attention["calls"] > 0
-    assert attention["cpu_weights_bytes_not_kept"] > 0
+    layers = resolve_job_config({"model": model}).model_args.n_layers
+    assert attention["what"] == "attention" and attention["calls"] == layers  # one per block
+    assert attention["cpu_weights_bytes_not_kept"] > 0  # MLA: the CPU path keeps the weights
     assert cpu["cuda_corrections"] == []
-    # bf16 and no attention weights kept: well under the float32 CPU step's activations.
-    assert cuda["bytes_per_rank"]["activations"] < 0.6 * cpu["bytes_per_rank"]["activations"]
+    assert {f["method"] for f in cuda["figures"].values()} == {"fake_step"}
 
 
 def test_cost_roofline_and_assumed_mfu() -> None:
     plan = _plan(launch={"nproc_per_node": 2}, training={"steps": 100}, plan={"assumed_mfu": 0.5})
     cost = plan["cost"]
-    assert cost["tokens_per_step"] == 2 * 4 * 256
-    assert cost["flops_per_step"] == pytest.approx(cost["flops_per_token"] * 2 * 4 * 256)
+    assert cost["tokens_per_step"] == 2 * 4 * 128
+    assert cost["flops_per_step"] == pytest.approx(cost["flops_per_token"] * 2 * 4 * 128)
     assert cost["step_time_s"] == pytest.approx(cost["flops_per_step"] / (2 * 1e12 * 0.5))
     # The fake step's counted FLOPs on one rank: half the job's model FLOPs (within the
     # attention and norm terms the model's formula rounds).
@@ -195,7 +197,7 @@ def test_deepseek_v2_lite_ep8_params_are_an_eighth_of_the_model() -> None:
     assert plan["bytes_per_rank"]["optimizer"] == 2 * plan["bytes_per_rank"]["params"]
 
 
-def test_deepseek_v2_236b_needs_more_than_eight_h200s_and_fits_on_128() -> None:
+def test_deepseek_v2_236b_needs_more_than_eight_h200s_and_recompute_on_128() -> None:
     h200 = {"plan": {"gpu": "H200"}}
     eight = _real("deepseek_v2", "v2", 8, parallelism={"expert_parallel_degree": 8}, **h200)
     assert eight["device_memory_gib"] == 141.0 and not eight["fits"]
@@ -204,10 +206,35 @@ def test_deepseek_v2_236b_needs_more_than_eight_h200s_and_fits_on_128() -> None:
     with pytest.raises(PlanDoesNotFitError, match="would help: more ranks"):
         check_plan_fits(eight)
     check_plan_fits(eight, enforce=False)
-    many = _real("deepseek_v2", "v2", 8, 16, parallelism={"expert_parallel_degree": 8}, **h200)
-    assert many["world_size"] == 128 and many["fits"], format_plan(many)
-    assert many["suggestions"] == []
+    ep8 = {"parallelism": {"expert_parallel_degree": 8}, **h200}
+    many = _real("deepseek_v2", "v2", 8, 16, **ep8)
+    # 60 blocks × 4096 tokens of MLA + 6 routed expert copies keep far more than the
+    # formulas said (they predicted a fit at ≈ 78 GiB): recompute is needed.
+    assert many["world_size"] == 128 and not many["fits"], format_plan(many)
+    assert many["gib_per_rank"]["activations"] > many["formula_cross_check"]["activations"] / 2**30
+    assert any("activation_checkpoint" in s for s in many["suggestions"])
     assert many["planned_in_s"] < 60
+    training = {"device": "cuda", "seq_len": 4096, "local_batch_size": 1}
+    auto = _real(
+        "deepseek_v2", "v2", 8, 16, training={**training, "activation_checkpoint": "auto"}, **ep8
+    )
+    assert auto["fits"], format_plan(auto)
+    assert 0 < len(auto["activation_checkpoint_blocks"]) < 60
+    assert auto["planned_in_s"] < 60
+
+
+def test_choose_recompute_takes_the_cheapest_bytes_and_pays_for_the_rebuild() -> None:
+    blocks = [
+        BlockCost("0", saved=100, kept=10, seconds=1.0),  # frees 90 at 1 s
+        BlockCost("1", saved=100, kept=10, seconds=3.0),  # frees 90 at 3 s
+        BlockCost("2", saved=50, kept=10, seconds=0.1),  # frees 40 at 0.1 s: cheapest per byte
+    ]
+    # "2" alone frees 40 but rebuilding it holds 50 again (net -10 < 10): add the next
+    # cheapest, "0": 130 freed - 100 rebuilt = 30 ≥ 10.
+    assert choose_recompute(blocks, excess=10) == ["0", "2"]
+    assert choose_recompute(blocks, excess=30, chosen=["0"]) == ["0", "2"]  # 40 ≥ 30
+    assert choose_recompute(blocks, excess=10_000) == ["0", "1", "2"]
+    assert choose_recompute(blocks, excess=0) == []
 
 
 def test_llama3_8b_fits_on_eight_gpus_at_8k() -> None:

@@ -11,6 +11,7 @@ is then checked by another fake step (``planner``), not trusted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -32,34 +33,31 @@ class BlockCost:
         return max(self.saved - self.kept, 0)
 
 
-def choose_recompute(blocks: list[BlockCost], excess: int, chosen: list[str] = ()) -> list[str]:
+def choose_recompute(blocks: list[BlockCost], excess: int, chosen: Sequence[str] = ()) -> list[str]:
     """Blocks to recompute (in model order) freeing at least ``excess`` bytes beyond ``chosen``.
 
     Args:
         blocks: Every block's cost, in model order.
         excess: Bytes the measured peak exceeds the budget by (with ``chosen`` applied).
-        chosen: Blocks already recomputed (kept in the result).
+        chosen: Blocks already recomputed (kept in the result; their rebuild is already in
+            the measured peak).
 
     Returns:
-        ``chosen`` plus the cheapest blocks per freed byte until the freed bytes, less the
-        largest recomputed block's activations, cover ``excess``; every block when even
-        that is not enough.
+        ``chosen`` plus the cheapest blocks per freed byte (ties: later blocks first, whose
+        activations backward frees soonest) until the freed bytes, less any growth of the
+        largest rebuilt block, cover ``excess``; every block when even that is not enough.
     """
     picked = set(chosen)
     order = sorted(
-        (b for b in blocks if b.name not in picked and b.freed > 0),
-        key=lambda b: (b.seconds / b.freed, b.name),
+        (i for i, b in enumerate(blocks) if b.name not in picked and b.freed > 0),
+        key=lambda i: (blocks[i].seconds / blocks[i].freed, -i),
     )
-    freed, rebuilt = 0, max((b.saved for b in blocks if b.name in picked), default=0)
-    for block in order:
-        if freed - max(rebuilt - _rebuilt_before(blocks, picked), 0) >= excess:
+    paid = max((b.saved for b in blocks if b.name in picked), default=0)
+    freed, rebuilt = 0, paid
+    for index in order:
+        if freed - (rebuilt - paid) >= excess:
             break
-        picked.add(block.name)
-        freed += block.freed
-        rebuilt = max(rebuilt, block.saved)
+        picked.add(blocks[index].name)
+        freed += blocks[index].freed
+        rebuilt = max(rebuilt, blocks[index].saved)
     return [b.name for b in blocks if b.name in picked]
-
-
-def _rebuilt_before(blocks: list[BlockCost], picked: set[str]) -> int:
-    """Rebuilt bytes already paid for by the chosen blocks (counted in the measured peak)."""
-    return max((b.saved for b in blocks if b.name in picked), default=0)

@@ -99,7 +99,10 @@ class _PeakWhere:
             tracker = self._mod_tracker  # type: ignore[attr-defined]
             parents = [p for p in tracker.parents if p != "Global"]
             phase = "optimizer" if self._in_opt else ("backward" if tracker.is_bw else "forward")  # type: ignore[attr-defined]
-            self.peak_at = {"module": max(parents, key=len, default="(no module: FSDP hooks)"), "phase": phase}
+            self.peak_at = {
+                "module": max(parents, key=len, default="(no module: FSDP hooks)"),
+                "phase": phase,
+            }
 
 
 class _FSDPTracker(_PeakWhere, FSDPMemTracker):

@@ -314,6 +314,16 @@ class _StepPlanner:
         ]
         chosen: list[str] = []
         tries = 0
+        if self.extrapolated and measured.peak_bytes > budget:
+            chosen = choose_recompute(blocks, measured.peak_bytes - budget)
+            return self._predicted(measured, blocks, chosen), {
+                "chosen_by": "greedy solver on the extrapolated step (predicted, not re-measured)",
+                "blocks": chosen,
+                "peak_without_gib": measured.peak_bytes / GIB,
+                "peak_with_gib": self._predicted(measured, blocks, chosen).peak_bytes / GIB,
+                "recompute_roofline_s": sum(b.seconds for b in blocks if b.name in chosen),
+                "measured_steps": 1,
+            }
         while measured.peak_bytes > budget and len(chosen) < len(blocks) and tries < 4:
             chosen = choose_recompute(blocks, measured.peak_bytes - budget, chosen)
             measured = self.measure(chosen)
@@ -329,6 +339,24 @@ class _StepPlanner:
                 "recompute_roofline_s": recompute_s,
                 "measured_steps": tries + 1,
             },
+        )
+
+    @staticmethod
+    def _predicted(
+        measured: StepMeasurement, blocks: list[BlockCost], chosen: list[str]
+    ) -> StepMeasurement:
+        """The step with ``chosen`` recomputed, predicted from its per-block figures."""
+        picked = [b for b in blocks if b.name in chosen]
+        change = max((b.saved for b in picked), default=0) - sum(b.freed for b in picked)
+        if measured.peak_at.get("phase") not in ("forward", "backward"):
+            change = 0  # the peak holds no activations: recomputing does not lower it
+        parts = dict(measured.parts)
+        parts["activations"] = parts.get("activations", 0) + change
+        return dataclasses.replace(
+            measured,
+            peak_bytes=measured.peak_bytes + change,
+            parts=parts,
+            checkpointed=list(chosen),
         )
 
     def corrections(self) -> list[dict[str, Any]]:
