@@ -41,6 +41,7 @@ from titan_kedro.train.fused_loss import (
     uses_fused_loss,
 )
 from titan_kedro.train.grad_clip import clip_grad_norm_
+from titan_kedro.train.trainer import build_model
 
 PART_NAMES = {
     "Parameter": "params",
@@ -184,13 +185,16 @@ def measure_step(
         if checkpointed is None
         else with_checkpointed(resolved.config, checkpointed)
     )
-    with torch.device("meta"):
-        model = spec.build_model(resolved.model_args)
+    if fake:
+        with torch.device("meta"):
+            model = spec.build_model(resolved.model_args)
+    else:  # as the trainer does: allocated and initialised, then sharded
+        model = build_model(spec, resolved.model_args, cfg.job.seed, torch.device("cpu"))
     fused = uses_fused_loss(cfg, spec, model)
     loss_fn = FusedOutputLoss(defer_output_projection(model)) if fused else spec.build_loss_fn(cfg)
     masking = cfg.training.document_masking and takes_document_ids(model)
     blocks = dict(model.layers.items())
-    model = spec.parallelize_fn(model, parallel_dims, cfg)  # on meta: fast at any world size
+    model = spec.parallelize_fn(model, parallel_dims, cfg)  # meta: fast at any world size
     wrapped = [name for name, block in model.layers.items() if block is not blocks[name]]
     autocast = autocast_dtype(model, cfg, parallel_dims.device)
     seq, batch = cfg.training.seq_len, cfg.training.local_batch_size
@@ -199,7 +203,8 @@ def measure_step(
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
     timed_s = None
     with mode, separate_chunk_buffers():
-        model = fake_model(model) if fake else _real_model(model, cfg.job.seed)
+        if fake:
+            model = fake_model(model)
         optimizers = spec.build_optimizers_fn([model], cfg)
         tracker: Any
         if isinstance(model, FSDPModule):
@@ -263,15 +268,6 @@ def _train_step(
     clip_grad_norm_(params, 0.0)
     optimizers.step()
     optimizers.zero_grad()
-
-
-def _real_model(model: nn.Module, seed: int) -> nn.Module:
-    """Allocate a (sharded) meta model on the CPU and initialise it, as the trainer would."""
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.init_weights()
-    return model
 
 
 def _reset_peak(tracker: Any) -> None:

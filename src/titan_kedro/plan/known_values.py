@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
+
+from titan_kedro.plan.local_ops import LocalOpMode
 
 MAX_KNOWN_ELEMENTS = 1 << 22
 """Largest tensor (elements) whose values are carried: routing indices of a micro-batch."""
@@ -50,23 +51,14 @@ class UnknownValueError(RuntimeError):
     """The fake step read a value that nothing in the step determines."""
 
 
-class KnownValues(TorchDispatchMode):
+class KnownValues(LocalOpMode):
     """Dispatch mode (entered inside ``FakeTensorMode``) that keeps small tensors' values."""
 
     def __init__(self) -> None:
         super().__init__()
         self._real: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        if any(t is DTensor for t in types):
-            return NotImplemented  # let DTensor desugar into local ops first
-        kwargs = kwargs or {}
+    def handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if func is _aten._local_scalar_dense.default:
             return self._scalar(args[0])
         if func is _aten.bincount.default:

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from titan_kedro.plan.local_ops import LocalOpMode
 
 _aten = torch.ops.aten
 _SKIPPED_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "profiler")
@@ -73,7 +73,7 @@ class RooflineTotals:
     """Roofline seconds of each block's forward (``model.layers`` key)."""
 
 
-class RooflineCounter(TorchDispatchMode):
+class RooflineCounter(LocalOpMode):
     """Counts FLOPs, bytes moved and roofline seconds of the ops dispatched under it.
 
     Args:
@@ -92,16 +92,7 @@ class RooflineCounter(TorchDispatchMode):
         self.block: str | None = None
         """The block whose forward is running (set by ``count_blocks``'s hooks)."""
 
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        if any(t is DTensor for t in types):
-            return NotImplemented
-        kwargs = kwargs or {}
+    def handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out = func(*args, **kwargs)
         if func.namespace in _SKIPPED_NAMESPACES or func.is_view:
             return out
