@@ -101,7 +101,7 @@ class _PeakWhere:
             parents = [p for p in tracker.parents if p != "Global"]
             phase = "optimizer" if self._in_opt else ("backward" if tracker.is_bw else "forward")  # type: ignore[attr-defined]
             self.peak_at = {
-                "module": max(parents, key=len, default="(no module: FSDP hooks)"),
+                "module": max(parents, key=len, default="(outside modules: loss, hooks)"),
                 "phase": phase,
             }
 
