@@ -69,7 +69,7 @@ have their real shapes, which is all memory depends on)."""
 
 @dataclass
 class StepMeasurement:
-    """What one tracked fake step used on rank 0."""
+    """What one tracked step (fake, or real for the check) used on rank 0."""
 
     peak_bytes: int
     parts: dict[str, int]
@@ -194,7 +194,8 @@ def measure_step(
     loss_fn = FusedOutputLoss(defer_output_projection(model)) if fused else spec.build_loss_fn(cfg)
     masking = cfg.training.document_masking and takes_document_ids(model)
     blocks = dict(model.layers.items())
-    model = spec.parallelize_fn(model, parallel_dims, cfg)  # meta: fast at any world size
+    # Fake: sharded on the meta device, fast at any world size; storage comes below.
+    model = spec.parallelize_fn(model, parallel_dims, cfg)
     wrapped = [name for name, block in model.layers.items() if block is not blocks[name]]
     autocast = autocast_dtype(model, cfg, parallel_dims.device)
     seq, batch = cfg.training.seq_len, cfg.training.local_batch_size

@@ -90,7 +90,7 @@ class RooflineCounter(LocalOpMode):
         ).flop_registry
         self.totals = RooflineTotals()
         self.block: str | None = None
-        """The block whose forward is running (set by ``count_blocks``'s hooks)."""
+        """The block whose forward is running (set by ``fake_step``'s block hooks)."""
 
     def handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out = func(*args, **kwargs)
