@@ -66,6 +66,24 @@ def test_plan_is_the_peak_of_a_real_cpu_step_within_ten_percent() -> None:
     assert json.loads(json.dumps(plan)) == plan
 
 
+@pytest.mark.slow
+def test_plan_is_the_peak_of_rank_0_of_two_gloo_ranks_with_expert_parallelism() -> None:
+    model = {"name": "deepseek_v2", "flavor": "debugmodel", "overrides": {"vocab_size": VOCAB}}
+    raw = _raw(
+        model=model,
+        launch={"nproc_per_node": 2},
+        parallelism={"expert_parallel_degree": 2},
+        training={"seq_len": 256, "local_batch_size": 2},
+    )
+    plan = build_plan(resolve_job_config(raw))
+    real = measure_real(raw, world=2)
+    assert plan["bytes_per_rank"]["total"] == pytest.approx(real["tracker_peak"], rel=0.10)
+    assert 0.9 * real["tracker_peak"] <= real["rss_growth"] <= 3 * real["tracker_peak"]
+    got = plan["bytes_per_rank"]
+    assert got["activations"] > got["params"] + got["grads"] + got["optimizer"]
+    assert plan["layout"]["ep"] == 2 and got["gathered_params"] > 0  # FSDP gathers blocks
+
+
 def test_checkpointing_shrinks_the_measured_activations() -> None:
     acts = {
         mode: _plan(training={"activation_checkpoint": mode})["bytes_per_rank"]["activations"]
