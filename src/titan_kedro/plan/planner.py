@@ -260,8 +260,10 @@ class _StepPlanner:
             "grads": self.sharded.grads,
             "optimizer": self.sharded.optimizer,
         }
-        depth_ratio = self.sharded.params / max(small.parts.get("params", 0), 1)
-        states["grads"] = int(small.parts.get("grads", 0) * depth_ratio)  # those alive at the peak
+        if small.peak_at.get("phase") != "optimizer":
+            # Gradients alive at a forward/backward peak are those of the blocks after it
+            # (and the root): the added blocks come before the last one, so they add none.
+            del states["grads"]
         for kind, full in states.items():
             if kind in parts:
                 added += full - parts[kind]
@@ -390,8 +392,10 @@ class _StepPlanner:
             "measured_blocks": self.measured_blocks,
             "model_blocks": self.n_blocks,
             "rule": "activations at a forward/backward peak grow by the last measured "
-            "block's saved bytes per missing block; params, grads and optimizer state "
-            "are the full sharded model's; roofline adds 3× the last block's forward",
+            "block's saved bytes per missing block; params and optimizer state are the "
+            "full sharded model's, gradients too at an optimizer peak (at a "
+            "forward/backward peak those alive belong to the blocks after it); roofline "
+            "adds 3× the last block's forward",
         }
 
 
