@@ -49,6 +49,27 @@ for split in ("train", "validation"):
     rng.integers(0, 102400, n_tokens, dtype=np.uint32).astype("<u4").tofile(folder / f"{split}.bin")
 PY
 
+# The plan of this very job (one fake step on the CPU, CUDA attention substituted), to check
+# against what the GPU allocates (torch.cuda.max_memory_allocated, logged by the worker).
+PLANNED_GIB="$("$PYTHON" - "$N_LAYERS" "$SEQ_LEN" "$BATCH" "$AC" <<'PY'
+import sys
+
+from titan_kedro.models.resolve import resolve_job_config
+from titan_kedro.plan import build_plan
+
+n_layers, seq_len, batch, ac = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+raw = {
+    "model": {"name": "deepseek_v2", "flavor": "v2-lite", "overrides": {"n_layers": n_layers}},
+    "training": {"device": "cuda", "seq_len": seq_len, "local_batch_size": batch,
+                 "mixed_precision_param": "bfloat16", "mixed_precision_reduce": "float32",
+                 "activation_checkpoint": ac},
+}
+plan = build_plan(resolve_job_config(raw))
+print(f"{plan['gib_per_rank']['total']:.3f}")
+PY
+)"
+echo "planned peak (fake step): $PLANNED_GIB GiB"
+
 "$PYTHON" -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node=1 \
     -m titan_kedro.train \
     --job.name gpu-run --job.dump_folder "$OUT/job" \
@@ -64,12 +85,13 @@ PY
     --metrics.log_freq 1 --metrics.enable_mlflow false \
     --validation.freq 0
 
-"$PYTHON" - "$OUT/job/metrics.jsonl" "$WARMUP" "$N_LAYERS" "$SEQ_LEN" "$BATCH" <<'PY'
+"$PYTHON" - "$OUT/job/metrics.jsonl" "$WARMUP" "$N_LAYERS" "$SEQ_LEN" "$BATCH" "$PLANNED_GIB" <<'PY'
 import json
 import statistics
 import sys
 
-path, warmup, n_layers, seq_len, batch = sys.argv[1], *map(int, sys.argv[2:])
+path, warmup, n_layers, seq_len, batch = sys.argv[1], *map(int, sys.argv[2:6])
+planned = float(sys.argv[6])
 rows = [json.loads(line) for line in open(path) if line.strip()]
 timed = [r for r in rows if r["step"] > warmup]
 if not timed:
@@ -78,12 +100,15 @@ tps = statistics.mean(r["tps"] for r in timed)
 mfu = statistics.mean(r["mfu_pct"] for r in timed)
 tflops = statistics.mean(r["tflops"] for r in timed)
 mem = max(r["memory_gib"] for r in timed)
+allocated = max(r["memory_allocated_gib"] for r in timed)
 print(
     f"v2-lite ({n_layers} layers), batch {batch} × {seq_len}, bf16: {tps:,.0f} tokens/s per GPU, "
     f"{tflops:.1f} TFLOP/s, MFU {mfu:.1f}%, peak reserved {mem:.1f} GiB "
     f"(mean of steps {warmup + 1}-{rows[-1]['step']})"
 )
-print(json.dumps({"tps": round(tps, 1), "mfu_pct": round(mfu, 2), "tflops": round(tflops, 2),
+print(f"planned peak {planned:.2f} GiB vs torch.cuda.max_memory_allocated {allocated:.2f} GiB "
+      f"(planned / real {planned / allocated:.3f})")
+print(json.dumps({"tps": round(tps, 1), "planned_gib": planned, "allocated_gib": round(allocated, 3), "mfu_pct": round(mfu, 2), "tflops": round(tflops, 2),
                   "memory_gib": round(mem, 2), "n_layers": n_layers, "seq_len": seq_len,
                   "batch": batch}))
 PY

@@ -54,6 +54,16 @@ def test_activation_checkpointing_keeps_names_and_gradients(tiny_spec: Any, mode
         torch.testing.assert_close(a.grad, b.grad, msg=name)
 
 
+def test_auto_checkpointing_wraps_the_named_blocks_and_refuses_no_choice(tiny_spec: Any) -> None:
+    model = apply_ac(_tiny(tiny_spec), "auto", ["1"])
+    kinds = {name: type(b).__name__ for name, b in model.layers.items()}
+    assert kinds["1"] == "CheckpointWrapper" and kinds["0"] != "CheckpointWrapper"
+    with pytest.raises(ValueError, match="activation_checkpoint_blocks; run through the"):
+        apply_ac(_tiny(tiny_spec), "auto")
+    with pytest.raises(ValueError, match=r"names \['7'\], which are not blocks"):
+        apply_ac(_tiny(tiny_spec), "auto", ["7"])
+
+
 def _checks(rank: int, world: int, spec_path: str) -> None:
     from titan_kedro.models.registry import get_train_spec, import_custom_model
 

@@ -145,8 +145,13 @@ class TrainingSection(Section):
     fused_loss: bool = True
     """With the default cross-entropy, apply the output projection inside the loss in token
     chunks, never materialising the full ``tokens × vocab`` logits (same result, less memory)."""
-    activation_checkpoint: Literal["none", "selective", "full"] = "none"
-    """Recompute activations in backward: none, every other block (selective), or every block."""
+    activation_checkpoint: Literal["none", "selective", "full", "auto"] = "none"
+    """Recompute activations in backward: none, every other block (selective), every block
+    (full), or the blocks the plan chooses so the step fits ``plan.device_memory_gib`` with
+    the least recompute (auto; the training pipeline fills ``activation_checkpoint_blocks``)."""
+    activation_checkpoint_blocks: list[str] | None = None
+    """With ``activation_checkpoint: auto``, the ``model.layers`` keys to recompute; None lets
+    the plan choose (the training pipeline writes its choice here for the workers)."""
     compile: bool = False
     """``torch.compile`` each transformer block and the fused loss's per-chunk softmax."""
     document_masking: bool = True

@@ -24,7 +24,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-AcMode = Literal["none", "selective", "full"]
+AcMode = Literal["none", "selective", "full", "auto"]
 
 
 def _blocks(model: nn.Module) -> nn.ModuleDict:
@@ -37,27 +37,43 @@ def _blocks(model: nn.Module) -> nn.ModuleDict:
     return layers
 
 
-def apply_ac(model: nn.Module, mode: AcMode) -> nn.Module:
+def apply_ac(model: nn.Module, mode: AcMode, blocks: list[str] | None = None) -> nn.Module:
     """Recompute block activations in backward instead of storing them.
 
     Args:
         model: A model with ``model.layers`` (``nn.ModuleDict`` of blocks).
         mode: ``none``; ``selective`` wraps every other block (0, 2, 4, …); ``full``
-            wraps every block.
+            wraps every block; ``auto`` wraps the blocks named in ``blocks`` (the plan's
+            choice, ``training.activation_checkpoint_blocks``).
+        blocks: ``model.layers`` keys to wrap with ``auto``.
 
     Returns:
         The same model, blocks replaced in place by checkpoint wrappers (parameter names
         seen by ``state_dict`` are unchanged).
     """
-    if mode not in ("none", "selective", "full"):
+    if mode not in ("none", "selective", "full", "auto"):
         raise ValueError(
-            f"training.activation_checkpoint={mode!r} is unknown; use none, selective or full"
+            f"training.activation_checkpoint={mode!r} is unknown; use none, selective, full or auto"
         )
     if mode == "none":
         return model
     layers = _blocks(model)
+    if mode == "auto":
+        if blocks is None:
+            raise ValueError(
+                "training.activation_checkpoint: auto needs the plan's choice in "
+                "training.activation_checkpoint_blocks; run through the training pipeline "
+                "(it plans first) or name the blocks to recompute"
+            )
+        unknown = sorted(set(blocks) - set(layers))
+        if unknown:
+            raise ValueError(
+                f"training.activation_checkpoint_blocks names {unknown}, which are not "
+                f"blocks of {type(model).__name__} (its blocks: {list(layers)})"
+            )
+    chosen = set(blocks or ())
     for index, (name, block) in enumerate(list(layers.items())):
-        if mode == "full" or index % 2 == 0:
+        if mode == "full" or (mode == "selective" and index % 2 == 0) or name in chosen:
             layers[name] = checkpoint_wrapper(block, preserve_rng_state=True)
     return model
 
@@ -159,7 +175,8 @@ def parallelize_dense(model: nn.Module, parallel_dims: Any, job_config: Any) -> 
     Returns:
         The parallelized model (unwrapped on one rank; see the module docstring).
     """
-    apply_ac(model, job_config.training.activation_checkpoint)
+    training = job_config.training
+    apply_ac(model, training.activation_checkpoint, training.activation_checkpoint_blocks)
     if job_config.training.compile:
         apply_compile(model)
     if not parallel_dims.fsdp_enabled:

@@ -1,11 +1,24 @@
-"""Memory and cost plan of a training job, measured on the sharded model without a GPU.
+"""Memory and cost plan of a training job, measured with one fake training step, no GPU.
 
-``build_plan(resolved)`` builds the model on the meta device under a fake process group
-of the configured world size, applies the spec's own ``parallelize_fn`` and reads the
-per-rank bytes from the sharded tensors. It sits above ``models`` and ``train`` (it uses
-both); neither imports it.
+``build_plan(resolved)`` shards the model with the spec's own ``parallelize_fn`` in a
+fake process group of the configured world size and runs one training step on fake
+tensors under ``FSDPMemTracker`` (``fake_step``): the peak per rank, its parts and where
+it occurs are measured. It sits above ``models`` and ``train`` (it uses both); neither
+imports it.
 """
 
-from titan_kedro.plan.planner import PlanDoesNotFitError, build_plan, check_plan_fits, format_plan
+from titan_kedro.plan.planner import (
+    PlanDoesNotFitError,
+    apply_plan_choices,
+    build_plan,
+    check_plan_fits,
+    format_plan,
+)
 
-__all__ = ["PlanDoesNotFitError", "build_plan", "check_plan_fits", "format_plan"]
+__all__ = [
+    "PlanDoesNotFitError",
+    "apply_plan_choices",
+    "build_plan",
+    "check_plan_fits",
+    "format_plan",
+]

@@ -1,4 +1,9 @@
-"""Per-rank bytes of a sharded model, read from its DTensors, and an activation estimate.
+"""Per-rank bytes of a sharded model, read from its DTensors, and the old activation formulas.
+
+The plan's figures come from the fake step (``fake_step``); of this module the planner
+uses ``measure_sharded`` (exact parameter, gradient and AdamW bytes of the full model,
+also what an extrapolated step is extended with) and keeps ``activation_bytes`` only as
+the printed ``formula_cross_check``.
 
 Measured (from the model ``parallelize_fn`` returns, on the meta device under a fake
 process group): every parameter's local shard (``DTensor.to_local()``; rank 0 holds the

@@ -21,6 +21,8 @@ projection; ``FusedOutputLoss`` is that loss.
 from __future__ import annotations
 
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -30,6 +32,22 @@ from torch.distributed.tensor import DTensor
 from titan_kedro.components.loss import IGNORE_INDEX, build_cross_entropy_loss
 
 _BUFFERS: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
+@contextmanager
+def separate_chunk_buffers() -> Iterator[None]:
+    """Give the code inside its own chunk buffers, and restore the process's afterwards.
+
+    The plan's fake step allocates fake buffers; they must neither reuse the real ones
+    (their sizes would hide the step's own allocation) nor outlive the step.
+    """
+    saved = dict(_BUFFERS)
+    _BUFFERS.clear()
+    try:
+        yield
+    finally:
+        _BUFFERS.clear()
+        _BUFFERS.update(saved)
 
 
 def _chunk_exp(

@@ -100,6 +100,15 @@ def memory_gib(device: torch.device) -> float:
     return psutil.Process().memory_info().rss / 2**30
 
 
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """``memory_gib`` (see ``memory_gib``), and on CUDA ``memory_allocated_gib``: the peak of
+    ``torch.cuda.max_memory_allocated`` (what the plan's peak is checked against)."""
+    out = {"memory_gib": memory_gib(device)}
+    if device.type == "cuda":
+        out["memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return out
+
+
 def expert_load_stats(load: torch.Tensor) -> dict[str, Any]:
     """Balance statistics of a ``[layers, experts]`` token-count tensor.
 

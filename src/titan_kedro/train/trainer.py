@@ -47,7 +47,7 @@ from titan_kedro.train.hf_init import load_hf_weights
 from titan_kedro.train.metrics import (
     MetricsLogger,
     expert_load_stats,
-    memory_gib,
+    memory_metrics,
     peak_tflops,
 )
 from titan_kedro.train.mtp import mtp_loss, mtp_loss_weight
@@ -443,7 +443,7 @@ class Trainer:
                         tps=tps,
                         tflops=tflops,
                         mfu_pct=100.0 * tflops / self.peak_tflops if self.peak_tflops else 0.0,
-                        memory_gib=memory_gib(self.device),
+                        **memory_metrics(self.device),
                         tokens_seen=self.state.tokens_seen,
                     )
                     self.metrics.log(step, step_metrics)

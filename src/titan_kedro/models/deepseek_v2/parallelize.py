@@ -98,7 +98,8 @@ def parallelize_deepseek_v2(model: nn.Module, parallel_dims: Any, job_config: An
                 "(first_k_dense_replace >= n_layers); set expert_parallel_degree: 1"
             )
         before_block = _shard_experts_fsdp(parallel_dims)
-    apply_ac(model, job_config.training.activation_checkpoint)
+    training = job_config.training
+    apply_ac(model, training.activation_checkpoint, training.activation_checkpoint_blocks)
     if job_config.training.compile:
         apply_compile(model)
     if not parallel_dims.fsdp_enabled:  # one rank: mixed precision comes from autocast

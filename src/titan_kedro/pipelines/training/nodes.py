@@ -15,7 +15,7 @@ from titan_kedro.config import dump_job_config
 from titan_kedro.data.vocab import check_vocab_fits
 from titan_kedro.launch import TrainingFailedError, launch_job, mlflow_env, prepare_job
 from titan_kedro.models.resolve import resolve_job_config
-from titan_kedro.plan import build_plan, check_plan_fits, format_plan
+from titan_kedro.plan import apply_plan_choices, build_plan, check_plan_fits, format_plan
 from titan_kedro.tracking.mlflow_logger import RUN_ID_ENV
 from titan_kedro.train.run_identity import prepare_run
 
@@ -60,6 +60,7 @@ def train_model(
     plan = build_plan(resolved)
     logger.info("%s", format_plan(plan))
     check_plan_fits(plan, enforce=resolved.config.plan.enforce)
+    apply_plan_choices(resolved.config, plan)
     env = mlflow_env()
     planned = prepare_run(resolved.config, token_metadata, env.get(RUN_ID_ENV))
     cfg = prepare_job(planned, env)

@@ -1,0 +1,332 @@
+"""One training step of the job, run on fake tensors and tracked: the plan's measured memory.
+
+The model is built on the meta device and given fake (shape-only) CPU tensors, sharded by
+the spec's own ``parallelize_fn`` on the fake process group, and then runs the trainer's
+step — forward (with document masking), the (fused) loss, backward, gradient norms,
+optimizer step — under ``FakeTensorMode`` while ``FSDPMemTracker`` (or ``MemTracker``
+for the unsharded one-rank model) follows every allocation by category. The optimizer
+state is created first (zero gradients, one optimizer step), so the tracked step is a
+steady-state one: its peak, the parts at that peak, where it happened (module and
+phase), the bytes each block keeps for backward, and FLOPs / roofline seconds from
+``RooflineCounter``.
+
+Values the step reads (MoE token counts) come from ``KnownValues``: routing is assumed
+balanced. Nothing is computed for real and nothing touches a GPU: a CUDA plan runs the
+same step on the CPU in the GPU's compute dtype (see ``planner.cuda_corrections``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
+
+from titan_kedro.models.parallel import autocast_dtype
+from titan_kedro.plan.known_values import KnownValues
+from titan_kedro.plan.roofline import RooflineCounter, RooflineTotals
+from titan_kedro.train.documents import document_inputs, takes_document_ids
+from titan_kedro.train.fused_loss import (
+    FusedOutputLoss,
+    defer_output_projection,
+    separate_chunk_buffers,
+    uses_fused_loss,
+)
+from titan_kedro.train.grad_clip import clip_grad_norm_
+from titan_kedro.train.trainer import build_model
+
+PART_NAMES = {
+    "Parameter": "params",
+    "Sharded Param": "params",
+    "Unsharded Param": "gathered_params",
+    "All Gather": "gathered_params",
+    "Buffer": "buffers",
+    "Gradient": "grads",
+    "Sharded Grad": "grads",
+    "Unsharded Grad": "unsharded_grads",
+    "Reduce Scatter": "unsharded_grads",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Optstate": "optimizer",
+    "OptState": "optimizer",
+    "Inputs": "inputs",
+    "Other": "other",
+}
+"""The trackers' categories, by the names the plan prints."""
+
+FAKE_BOS_ID = 0
+"""Token id that starts documents in the fake batch (its values are random: the masks
+have their real shapes, which is all memory depends on)."""
+
+
+@dataclass
+class StepMeasurement:
+    """What one tracked step (fake, or real for the check) used on rank 0."""
+
+    peak_bytes: int
+    parts: dict[str, int]
+    """Bytes by ``PART_NAMES`` category at the peak."""
+    peak_at: dict[str, str]
+    """``module`` (innermost running) and ``phase`` (forward / backward / optimizer)."""
+    block_saved_bytes: dict[str, int]
+    """Bytes each block (``model.layers`` key) keeps from its forward until its backward."""
+    block_input_bytes: dict[str, int]
+    """Bytes of each block's input (what a checkpointed block keeps instead)."""
+    roofline: RooflineTotals
+    """FLOPs, bytes and roofline seconds of the step."""
+    checkpointed: list[str] = field(default_factory=list)
+    """Blocks wrapped for recomputation in this step."""
+    real_step_s: float | None = None
+    """Wall seconds of the same step run untracked (real runs only)."""
+
+
+class _PeakWhere:
+    """Mixin for the trackers: remember the module and phase of each new global peak."""
+
+    peak_at: dict[str, str]
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        before = dict(self._peak_mem)  # type: ignore[attr-defined]
+        super()._update_peak_stats(peak_state)  # type: ignore[misc]
+        if self._peak_mem != before:  # type: ignore[attr-defined]
+            tracker = self._mod_tracker  # type: ignore[attr-defined]
+            parents = [p for p in tracker.parents if p != "Global"]
+            phase = "optimizer" if self._in_opt else ("backward" if tracker.is_bw else "forward")  # type: ignore[attr-defined]
+            self.peak_at = {
+                "module": max(parents, key=len, default="(outside modules: loss, hooks)"),
+                "phase": phase,
+            }
+
+
+class _FSDPTracker(_PeakWhere, FSDPMemTracker):
+    pass
+
+
+class _PlainTracker(_PeakWhere, MemTracker):
+    pass
+
+
+def fake_model(model: nn.Module) -> nn.Module:
+    """Give a meta-device model (sharded or not) fake CPU storage; call inside ``FakeTensorMode``.
+
+    FSDP2 modules take ``to_empty`` (it re-creates their sharded parameters); the others
+    get their parameters and buffers replaced one by one (``to_empty`` cannot swap a
+    meta parameter for a fake one).
+    """
+    if isinstance(model, FSDPModule):
+        return model.to_empty(device="cpu")
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = nn.Parameter(
+                    torch.empty_like(param, device="cpu"), requires_grad=param.requires_grad
+                )
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = torch.empty_like(buffer, device="cpu")
+    return model
+
+
+def _create_optimizer_state(model: nn.Module, optimizers: Any) -> None:
+    """Let the optimizer allocate its state (zero gradients, one step), as after step 1."""
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    optimizers.step()
+    optimizers.zero_grad()
+
+
+def with_checkpointed(job_config: Any, blocks: list[str]) -> Any:
+    """A copy of ``job_config`` recomputing exactly ``blocks`` (``activation_checkpoint: auto``)."""
+    training = job_config.training.model_copy(
+        update={"activation_checkpoint": "auto", "activation_checkpoint_blocks": list(blocks)}
+    )
+    return job_config.model_copy(update={"training": training})
+
+
+def measure_step(
+    resolved: Any,
+    parallel_dims: Any,
+    *,
+    peak_flops: float,
+    bandwidth: float,
+    checkpointed: list[str] | None = None,
+    fake: bool = True,
+) -> StepMeasurement:
+    """Run one fake training step of ``resolved`` on rank 0 of the fake world and measure it.
+
+    With ``fake=False`` the same step runs for real (initialised weights, random tokens, on
+    the real process group of a CPU job): the check of the fake measurement.
+
+    Args:
+        resolved: The resolved job (its ``training.activation_checkpoint`` is applied, or
+            ``checkpointed`` when given).
+        parallel_dims: Built ``ParallelDims`` on the fake process group; its ``device``
+            decides the compute dtype (``cuda``: the GPU's mixed precision).
+        peak_flops: Planned device FLOP/s for the roofline.
+        bandwidth: Planned device memory bytes/s for the roofline.
+        checkpointed: Block names to recompute (``activation_checkpoint: auto``).
+        fake: Fake tensors (the plan) or real ones (the check).
+
+    Returns:
+        The measurement of the step (optimizer state already allocated).
+    """
+    spec = resolved.spec
+    cfg = (
+        resolved.config
+        if checkpointed is None
+        else with_checkpointed(resolved.config, checkpointed)
+    )
+    if fake:
+        with torch.device("meta"):
+            model = spec.build_model(resolved.model_args)
+    else:  # as the trainer does: allocated and initialised, then sharded
+        model = build_model(spec, resolved.model_args, cfg.job.seed, torch.device("cpu"))
+    fused = uses_fused_loss(cfg, spec, model)
+    loss_fn = FusedOutputLoss(defer_output_projection(model)) if fused else spec.build_loss_fn(cfg)
+    masking = cfg.training.document_masking and takes_document_ids(model)
+    blocks = dict(model.layers.items())
+    # Fake: sharded on the meta device, fast at any world size; storage comes below.
+    model = spec.parallelize_fn(model, parallel_dims, cfg)
+    wrapped = [name for name, block in model.layers.items() if block is not blocks[name]]
+    autocast = autocast_dtype(model, cfg, parallel_dims.device)
+    seq, batch = cfg.training.seq_len, cfg.training.local_batch_size
+    vocab = int(getattr(resolved.model_args, "vocab_size", 2))
+    # Device meshes stay real tensors inside the fake mode.
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
+    timed_s = None
+    with mode, separate_chunk_buffers():
+        if fake:
+            model = fake_model(model)
+        optimizers = spec.build_optimizers_fn([model], cfg)
+        tracker: Any
+        if isinstance(model, FSDPModule):
+            tracker = _FSDPTracker(model, optimizers.optimizers[0])
+        else:
+            tracker = _PlainTracker()
+            tracker.track_external(model, *optimizers.optimizers)
+        roofline = RooflineCounter(peak_flops, bandwidth)
+        inputs_seen: dict[str, int] = {}
+        values = KnownValues() if fake else nullcontext()
+        with tracker, values, _block_hooks(model, roofline, inputs_seen):
+            _create_optimizer_state(model, optimizers)
+            tracker.reset_mod_stats()
+            _reset_peak(tracker)
+            tokens = torch.randint(0, vocab, (batch, seq))
+            extra = document_inputs(tokens, FAKE_BOS_ID if masking else None)
+            with roofline:
+                _train_step(model, loss_fn, optimizers, tokens, extra=extra, autocast=autocast)
+        if not fake:  # the same step untracked, timed (for the roofline's ratio)
+            start = time.perf_counter()
+            _train_step(model, loss_fn, optimizers, tokens, extra=extra, autocast=autocast)
+            timed_s = time.perf_counter() - start
+        snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        saved = _block_saved_bytes(tracker, model)
+    parts: dict[str, int] = {}
+    for kind, value in snapshot.items():
+        if kind == "Total":
+            continue
+        name = PART_NAMES.get(getattr(kind, "value", str(kind)), "other")
+        parts[name] = parts.get(name, 0) + int(value)
+    return StepMeasurement(
+        peak_bytes=int(snapshot["Total"]),
+        parts=parts,
+        peak_at=dict(tracker.peak_at),
+        block_saved_bytes=saved,
+        block_input_bytes=inputs_seen,
+        roofline=roofline.totals,
+        checkpointed=wrapped,
+        real_step_s=timed_s,
+    )
+
+
+def _train_step(
+    model: nn.Module,
+    loss_fn: Any,
+    optimizers: Any,
+    tokens: torch.Tensor,
+    *,
+    extra: dict[str, torch.Tensor],
+    autocast: torch.dtype | None,
+) -> None:
+    """The trainer's step on one micro-batch: forward, loss, backward, norms, update."""
+    with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+        loss = loss_fn(model(tokens, **extra), tokens)
+    if hasattr(model, "moe_aux_loss"):
+        loss = loss + model.moe_aux_loss()
+    loss.backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    # Norms only: the clip is an in-place multiply whose condition reads the norm's
+    # value, which a fake step does not have.
+    clip_grad_norm_(params, 0.0)
+    optimizers.step()
+    optimizers.zero_grad()
+
+
+def _reset_peak(tracker: Any) -> None:
+    """Start the peak afresh from what is allocated now (the optimizer state)."""
+    tracker._peak_mem_snap = tracker.get_tracker_snapshot()
+    tracker._peak_mem = {dev: snap["Total"] for dev, snap in tracker._peak_mem_snap.items()}
+    tracker.peak_at = {"module": "(none)", "phase": "(none)"}
+
+
+@contextmanager
+def _block_hooks(
+    model: nn.Module, roofline: RooflineCounter, inputs_seen: dict[str, int]
+) -> Iterator[None]:
+    """Attribute forward roofline time to blocks and record each block's input size."""
+    handles = []
+    for name, block in model.layers.items():
+
+        def before(module: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
+            if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+                return  # a recomputation inside backward
+            roofline.block = name
+            inputs_seen[name] = args[0].numel() * args[0].element_size()
+
+        def after(module: nn.Module, args: Any, output: Any) -> None:
+            roofline.block = None
+
+        handles += [block.register_forward_pre_hook(before), block.register_forward_hook(after)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _block_saved_bytes(tracker: Any, model: nn.Module) -> dict[str, int]:
+    """Per block: tracked bytes after its forward minus before it (what backward keeps)."""
+    by_module = {module: name for name, module in model.layers.items()}
+    out: dict[str, int] = {}
+    for module, stats in tracker.memory_tracking.items():
+        name = by_module.get(module)
+        if name is None:
+            continue
+        snaps = {
+            getattr(state, "value", str(state)): snap for state, snap in stats.snapshots.items()
+        }
+        pre = snaps.get("Before Pre-Forward") or snaps.get("Pre-Forward")
+        post = snaps.get("After Post-Forward") or snaps.get("Post-Forward")
+        if not pre or not post:
+            continue
+        before = next(iter(pre[-1].values()))
+        after = next(iter(post[-1].values()))
+        out[name] = int(_activations(after) - _activations(before))
+    return out
+
+
+def _activations(snapshot: dict[Any, int]) -> int:
+    return sum(
+        value
+        for kind, value in snapshot.items()
+        if kind != "Total" and getattr(kind, "value", "") == "Activation"
+    )
