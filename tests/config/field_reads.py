@@ -148,9 +148,14 @@ def branch_reads(folder: Path) -> set[Read]:
       ``plan.gpu`` and mixed precision), everything under ``folder``.
     - Source selection for ``data.source: hub``, with the network check answered yes
       (nothing is streamed: the source reads the hub only when iterated).
+    - Fault tolerance: the launcher's lighthouses started and stopped on 127.0.0.1
+      (``fault_tolerance`` sizes, join and heartbeat timeouts, the address). The fields
+      only a replica group's worker or its restart loop reads are ``FT_RUN_ONLY``.
     """
+    from titan_kedro.config import build_job_config
     from titan_kedro.config.schema import DataSection
     from titan_kedro.data import sources
+    from titan_kedro.ft.lighthouse import Lighthouses
     from titan_kedro.pipelines.training.nodes import train_model
 
     job = {
@@ -180,4 +185,15 @@ def branch_reads(folder: Path) -> set[Read]:
         ):
             (hub,) = sources.select_sources(DataSection(source="hub"), [])
         assert isinstance(hub, sources.HubSource), hub
-    return reads
+        ft = build_job_config(
+            {"fault_tolerance": {"enable": True, "replica_groups": 2, "min_replicas": 1}}
+        ).fault_tolerance
+        Lighthouses.start(ft).stop()
+    from titan_kedro.config.schema import FaultToleranceSection
+
+    return reads | {(_class_key(FaultToleranceSection), name) for name in FT_RUN_ONLY}
+
+
+FT_RUN_ONLY = ("quorum_timeout_s", "step_timeout_s", "max_group_restarts")
+"""Read only inside a fault-tolerant run (the worker's Manager, the launcher's restart
+loop): ``tests/ft`` runs those for real, but not under this recording."""

@@ -132,3 +132,11 @@ def test_paths_a_node_reads_are_absolute_and_checked_under_the_shared_dir(
         with pytest.raises(LaunchCheckError) as err:
             prepare_job(build_job_config(bad), RUN_ENV)
         assert f"{setting}={value!r}" in str(err.value) and "launch.shared_dir" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "uri", ["sqlite:////tmp/runs/mlflow.db", "sqlite:///mlflow.db", "file:///tmp/mlruns"]
+)
+def test_a_uri_without_credentials_reaches_the_nodes_as_written(uri: str) -> None:
+    # urlsplit + geturl drops a slash from sqlite:////abs (the workers then failed to log).
+    assert split_tracking_uri(uri, {}).uri == uri

@@ -99,7 +99,7 @@ def test_dry_run_writes_the_request_and_trains_nothing(
         **CLUSTER,
     )
     with caplog.at_level(logging.INFO):
-        summary = nodes.train_model({"vocab_size": 100}, {}, **job)
+        summary = nodes.train_model({"vocab_size": 102400}, {}, **job)  # the model's tokenizer
     assert summary["dryrun"] is True and summary["final_step"] is None
     assert "dry run" in caplog.text and "nothing trained" in caplog.text
     request = Path(summary["request_file"]).read_text()

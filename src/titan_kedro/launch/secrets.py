@@ -105,6 +105,9 @@ def split_tracking_uri(
             credentials[TOKEN_ENV] = value
         else:
             query.append((key, value))
+    if netloc == parts.netloc and len(query) == len(parse_qsl(parts.query, True)):
+        # Nothing secret: keep the URI as written (a rebuilt sqlite:////abs/path loses a /).
+        return TrackingSecrets(uri, credentials)
     clean = parts._replace(netloc=netloc, query=urlencode(query)).geturl()
     return TrackingSecrets(clean, credentials)
 
