@@ -6,10 +6,12 @@ import socket
 
 import pytest
 import torch
+from torchx.specs import macros
 
 from titan_kedro.config import build_job_config
 from titan_kedro.ft.identity import replica_data_shard
 from titan_kedro.ft.transport import encode_header
+from titan_kedro.launch import build_appdef
 
 
 def _config(**sections: dict) -> object:
@@ -33,6 +35,37 @@ def test_replica_groups_and_hsdp_replicas_are_not_both_above_one() -> None:
 def test_min_replicas_above_the_groups_is_refused() -> None:
     with pytest.raises(ValueError, match="no step could ever commit"):
         _config(fault_tolerance={"enable": True, "replica_groups": 2, "min_replicas": 3})
+
+
+@pytest.mark.parametrize(("scheduler", "nnodes"), [("slurm", 1), ("kubernetes", 1), ("local", 2)])
+def test_groups_beyond_this_machine_are_refused_with_the_reason(
+    scheduler: str, nnodes: int
+) -> None:
+    with pytest.raises(ValueError, match=r"listen on 127\.0\.0\.1") as err:
+        _config(
+            fault_tolerance={"enable": True, "replica_groups": 2},
+            launch={"scheduler": scheduler, "nnodes": nnodes, "rdzv_endpoint": "h:1"},
+        )
+    assert "use launch.scheduler: local or local_cwd" in str(err.value)
+
+
+def test_a_torchx_job_runs_one_replica_per_group_restarting_itself() -> None:
+    cfg = _config(
+        fault_tolerance={"enable": True, "replica_groups": 3, "max_group_restarts": 4},
+        launch={"scheduler": "local_cwd", "nproc_per_node": 2, "log_dir": "/logs"},
+    )
+    app = build_appdef(cfg, "/job.yaml", {"TORCHFT_LIGHTHOUSE": "http://127.0.0.1:1"})
+    (role,) = app.roles
+    assert role.num_replicas == 3
+    assert role.env["TITAN_KEDRO_REPLICA_ID"] == "${replica_id}"
+    assert role.env["TORCHFT_LIGHTHOUSE"] == "http://127.0.0.1:1"
+    line = role.args[1]
+    assert "--nnodes=1 --nproc-per-node=2 --max-restarts=4" in line
+    assert "'--log-dir=/logs/replica-${replica_id}'" in line
+    # TorchX fills the replica id in per replica: every group gets its own id and log folder.
+    replica_2 = macros.Values(img_root="", app_id="a", replica_id="2", rank0_env="X").apply(role)
+    assert replica_2.env["TITAN_KEDRO_REPLICA_ID"] == "2"
+    assert "'--log-dir=/logs/replica-2'" in replica_2.args[1]
 
 
 def test_groups_multiply_the_global_batch_like_hsdp_replicas() -> None:

@@ -4,7 +4,8 @@
   ``data_parallel_replicate_degree=2`` (one torchrun, 2 ranks) step by step.
 - Group 1 SIGKILLed at step 5 of 12: group 0 keeps stepping, group 1 is restarted, heals
   from group 0 and both finish; their states end bitwise equal and MLflow shows
-  ``ft/participants`` 2 → 1 → 2 and all 12 losses.
+  ``ft/participants`` 2 → 1 → 2 and all 12 losses. The same through TorchX (``local_cwd``),
+  where the group's own torchrun restarts it.
 - The lighthouses and every group process are gone after the run and after Ctrl-C.
 - A whole-job stop resumes from the leader's DCP checkpoint with an uninterrupted run's
   losses.
@@ -82,7 +83,10 @@ def test_two_groups_train_like_hsdp_with_two_replicas_through_kedro_run(tmp_path
 
 
 def _run_node_with_kill(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    scheduler: str,
 ) -> tuple[dict, str]:
     params = tiny_job(
         tmp_path,
@@ -94,6 +98,7 @@ def _run_node_with_kill(
         metrics={"enable_mlflow": True},
         fault_tolerance=FT_ON,
     )
+    params["launch"]["scheduler"] = scheduler
     monkeypatch.setenv("TITAN_KEDRO_CRASH_AT_STEP", "5")
     monkeypatch.setenv("TITAN_KEDRO_CRASH_GROUP", "1")
     monkeypatch.setenv("TITAN_KEDRO_DEGRADED_STEP_DELAY_S", str(DEGRADED_DELAY_S))
@@ -107,16 +112,24 @@ def _run_node_with_kill(
     return {"summary": summary, "run_id": run.info.run_id}, capsys.readouterr().out
 
 
+@pytest.mark.parametrize("scheduler", ["local", "local_cwd"])
 def test_a_killed_group_restarts_heals_and_ends_equal(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    scheduler: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    result, console = _run_node_with_kill(tmp_path, capsys, monkeypatch)
+    result, console = _run_node_with_kill(tmp_path, capsys, monkeypatch, scheduler)
     assert result["summary"]["final_step"] == 12
 
     assert "group 1 rank 0 SIGKILLs itself at step 5" in console
-    assert "[group 1] launching (attempt 1)" in console
-    assert re.search(r"replica group 1 healed from a live peer at step \d+", console)
+    if scheduler == "local":  # the launcher restarts the group's torchrun
+        assert "[group 1] launching (attempt 1)" in console
+    else:  # the group's torchrun restarts its workers; TorchX sees one replica run through
+        restarted = tmp_path / "logs" / "replica-1"
+        assert sorted(p.name for p in restarted.glob("*/attempt_*")) == ["attempt_0", "attempt_1"]
+    assert re.search(r"\[group 1\].*replica group 1 healed from a live peer at step \d+", console)
 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
 
@@ -158,19 +171,21 @@ def test_a_killed_group_restarts_heals_and_ends_equal(
 LAUNCHER = """
 import sys
 from titan_kedro.config import dump_job_config
-from titan_kedro.launch.replica_groups import ReplicaGroupLauncher
+from titan_kedro.launch import launch_job
 from titan_kedro.models.resolve import resolve_job_config
 import yaml
 
 raw = yaml.safe_load(open(sys.argv[1]))
 cfg = resolve_job_config(raw).config
-ReplicaGroupLauncher(cfg, dump_job_config(cfg, sys.argv[2])).run()
+launch_job(cfg, dump_job_config(cfg, sys.argv[2]), {})
 """
 
 
-def test_ctrl_c_stops_every_group_and_the_lighthouses(tmp_path: Path) -> None:
+@pytest.mark.parametrize("scheduler", ["local", "local_cwd"])
+def test_ctrl_c_stops_every_group_and_the_lighthouses(scheduler: str, tmp_path: Path) -> None:
     raw = tiny_job(tmp_path, write_token_dir(tmp_path / "tokens"), training={"steps": 100_000},
                    fault_tolerance=FT_ON)  # fmt: skip
+    raw["launch"]["scheduler"] = scheduler
     config = tmp_path / "raw.yaml"
     config.write_text(yaml.safe_dump(raw), encoding="utf-8")
     out = (tmp_path / "launcher.log").open("w")
@@ -186,7 +201,7 @@ def test_ctrl_c_stops_every_group_and_the_lighthouses(tmp_path: Path) -> None:
         assert time.monotonic() < deadline, "the groups never trained 3 steps"
         time.sleep(0.5)
     tree = [p.pid for p in psutil.Process(launcher.pid).children(recursive=True)]
-    assert len(tree) >= 4  # two torchrun agents and their workers
+    assert len(tree) >= 4  # two torchrun agents and their workers (local_cwd: and wrappers)
     match = LIGHTHOUSE_LINE.search((tmp_path / "launcher.log").read_text())
     assert match is not None and _port_open(match.group(1))
 

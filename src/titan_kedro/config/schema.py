@@ -221,13 +221,16 @@ class FaultToleranceSection(Section):
     step_timeout_s: float = Field(60.0, gt=0)
     """Timeout of the cross-group collectives, the commit vote and the healing transfer."""
     max_group_restarts: int = Field(3, ge=0)
-    """The launcher restarts a dead group's torchrun this often (per group) before failing the job."""
+    """How often a dead group is restarted (per group) before the job fails: by the launcher
+    (``launch.scheduler: local``) or by the group's own torchrun (``local_cwd``)."""
 
 
 LOCAL_SCHEDULER = "local"
 """``launch.scheduler`` value for torchrun on this machine, without TorchX."""
 LOCAL_CWD_SCHEDULER = "local_cwd"
 """TorchX's scheduler for several torchrun agents on this machine (tests and demos)."""
+FT_SCHEDULERS = (LOCAL_SCHEDULER, LOCAL_CWD_SCHEDULER)
+"""Schedulers that run fault-tolerant replica groups (on this machine)."""
 
 
 @functools.cache
@@ -461,11 +464,13 @@ class JobConfig(BaseModel):
                 f"fault_tolerance.min_replicas={ft.min_replicas} exceeds replica_groups="
                 f"{ft.replica_groups}; no step could ever commit"
             )
-        if self.launch.nnodes > 1 or self.launch.scheduler != LOCAL_SCHEDULER:
+        if self.launch.nnodes > 1 or self.launch.scheduler not in FT_SCHEDULERS:
             raise ValueError(
                 "fault_tolerance launches its replica groups on this machine only "
-                f"(launch.scheduler={self.launch.scheduler!r}, launch.nnodes={self.launch.nnodes}); "
-                "use launch.scheduler: local and launch.nnodes: 1"
+                f"(launch.scheduler={self.launch.scheduler!r}, launch.nnodes={self.launch.nnodes}): "
+                "the lighthouses it starts listen on 127.0.0.1, and TorchX's remote schedulers "
+                "restart whole jobs, not one replica; use launch.scheduler: local or local_cwd "
+                "and launch.nnodes: 1 (one node per group)"
             )
 
     @property

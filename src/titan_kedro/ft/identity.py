@@ -1,10 +1,12 @@
 """Who a worker is among the replica groups: the environment the group launcher sets.
 
-The launcher (``launch/replica_groups.py``) starts every group's torchrun with
-``TITAN_KEDRO_REPLICA_ID`` (0 … G-1), ``TITAN_KEDRO_GROUP_ATTEMPT`` (0, then 1, 2, … for
-each restart of that group), ``TORCHFT_LIGHTHOUSE`` (TorchFT's own variable: the
-lighthouse) and, on the first attempt, ``TITAN_KEDRO_FT_STARTUP`` (the startup
-barrier's lighthouse, so step 1 waits for every group).
+Every group's torchrun gets ``TITAN_KEDRO_REPLICA_ID`` (0 … G-1), ``TORCHFT_LIGHTHOUSE``
+(TorchFT's own variable: the lighthouse) and ``TITAN_KEDRO_FT_STARTUP`` (the startup
+barrier's lighthouse, so step 1 waits for every group). A group is restarted either by
+the local launcher (``launch/replica_groups.py``: a new torchrun with
+``TITAN_KEDRO_GROUP_ATTEMPT`` 1, 2, …) or, in a TorchX job, by its own torchrun
+(``--max-restarts``: ``TORCHELASTIC_RESTART_COUNT`` 1, 2, …); the group's attempt is
+the sum, so a worker knows it was restarted whichever restarted it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ REPLICA_ID_ENV = "TITAN_KEDRO_REPLICA_ID"
 GROUP_ATTEMPT_ENV = "TITAN_KEDRO_GROUP_ATTEMPT"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 STARTUP_ENV = "TITAN_KEDRO_FT_STARTUP"
+TORCHRUN_RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 
 def replica_name(replica_id: int) -> str:
@@ -35,7 +38,7 @@ class ReplicaIdentity:
     lighthouse: str
     """Address of the lighthouse that forms each step's quorum."""
     startup_lighthouse: str | None
-    """Address of the startup barrier's lighthouse (first attempt only)."""
+    """Address of the startup barrier's lighthouse (only the first attempt joins it)."""
 
     @classmethod
     def from_env(cls, replica_groups: int) -> ReplicaIdentity:
@@ -60,7 +63,7 @@ class ReplicaIdentity:
             )
         return cls(
             replica_id=replica_id,
-            attempt=int(os.environ.get(GROUP_ATTEMPT_ENV, "0")),
+            attempt=group_attempt(),
             lighthouse=os.environ[LIGHTHOUSE_ENV],
             startup_lighthouse=os.environ.get(STARTUP_ENV) or None,
         )
@@ -85,6 +88,13 @@ def data_shard(cfg: Any, dp_rank: int, dp_degree: int) -> tuple[int, int]:
     return replica_data_shard(identity.replica_id, cfg.replica_groups, dp_rank, dp_degree)
 
 
+def group_attempt() -> int:
+    """How often this worker's group has been restarted, by the launcher or by its torchrun."""
+    return int(os.environ.get(GROUP_ATTEMPT_ENV, "0")) + int(
+        os.environ.get(TORCHRUN_RESTART_ENV, "0")
+    )
+
+
 def restarted_group() -> bool:
-    """Whether the launcher restarted this worker's replica group (its attempt is above 0)."""
-    return int(os.environ.get(GROUP_ATTEMPT_ENV, "0")) > 0
+    """Whether this worker's replica group was restarted (its attempt is above 0)."""
+    return bool(os.environ.get(REPLICA_ID_ENV)) and group_attempt() > 0

@@ -2,7 +2,8 @@
 
 All launching lives here. ``launch.scheduler: local`` runs ``torchrun.launch_training``
 (with ``fault_tolerance.enable``: ``replica_groups.ReplicaGroupLauncher``, G torchrun
-groups); any TorchX scheduler (``local_cwd``, ``slurm``, ``kubernetes``, …) gets the
+groups; with ``local_cwd``, a TorchX job of G replicas inside ``replica_group_services``);
+any TorchX scheduler (``local_cwd``, ``slurm``, ``kubernetes``, …) gets the
 AppDef of ``appdef.build_appdef``, submitted and followed by ``scheduler.run_job``; both
 follow their group with ``supervise``. A run folder that a live run trains into is refused
 first (``train.run_lock``), remote jobs are checked (``preflight``), and ``launch.dryrun``
@@ -12,7 +13,9 @@ credentials; those travel by name (``secrets``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -26,7 +29,7 @@ from titan_kedro.launch.preflight import (
     is_remote,
     with_absolute_paths,
 )
-from titan_kedro.launch.replica_groups import ReplicaGroupLauncher
+from titan_kedro.launch.replica_groups import ReplicaGroupLauncher, replica_group_services
 from titan_kedro.launch.scheduler import run_job
 from titan_kedro.launch.secrets import node_env
 from titan_kedro.launch.torchrun import TrainingFailedError, launch_training, mlflow_env
@@ -117,11 +120,14 @@ def launch_job(
     if cfg.launch.dryrun:
         app = None if local else build_appdef(cfg, config_path, nodes_env)
         return write_dryrun(cfg, app, config_path, env)
-    if cfg.fault_tolerance.enable:  # G torchrun groups here (the config refuses other schedulers)
+    ft = cfg.fault_tolerance.enable  # groups on this machine only (the config refuses others)
+    if ft and local:
         ReplicaGroupLauncher(cfg, config_path, extra_env=env, console=console).run()
     elif local:
         launch_training(cfg, config_path, extra_env=env, console=console)
     else:
-        app = build_appdef(cfg, config_path, nodes_env)
-        run_job(cfg, app, console=console, credentials=credentials)
+        echo = (console or sys.stdout).write
+        with replica_group_services(cfg, echo) if ft else contextlib.nullcontext({}) as ft_env:
+            app = build_appdef(cfg, config_path, {**nodes_env, **ft_env})
+            run_job(cfg, app, console=console, credentials=credentials)
     return None

@@ -5,6 +5,13 @@ It is the AppDef of TorchX's ``dist.ddp`` component (role named after the module
 as rendezvous id, ``nnodes`` replicas, per-replica resources) with this project's torchrun
 flags (``launch.torchrun.torchrun_command``: restarts, log folder, rank-0 tee) and
 ``-m titan_kedro.train --config <job_config.yaml>``.
+
+With ``fault_tolerance.enable`` the replicas are the G replica groups instead of nodes:
+each runs a standalone torchrun of its own (``{launch.log_dir}/replica-<g>``) with
+``TITAN_KEDRO_REPLICA_ID`` set to its replica id, and restarts its own workers up to
+``fault_tolerance.max_group_restarts`` times (``--max-restarts``), since TorchX's
+schedulers restart whole jobs, not one replica. The lighthouses' addresses come in ``env``
+(``replica_groups.replica_group_services``).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from torchx import specs
 from torchx.specs import macros
 
 from titan_kedro.config.schema import LOCAL_CWD_SCHEDULER
+from titan_kedro.ft.identity import REPLICA_ID_ENV
 from titan_kedro.launch.torchrun import torchrun_command
 from titan_kedro.train.parent_death import guarded_command
 
@@ -73,6 +81,15 @@ def build_appdef(cfg: Any, config_path: str | Path, env: Mapping[str, str]) -> s
             ``PYTHONUNBUFFERED=1`` and ``LOGLEVEL`` are added.
     """
     launch = cfg.launch
+    replicas, env = launch.nnodes, {"PYTHONUNBUFFERED": "1", "LOGLEVEL": "WARNING", **dict(env)}
+    if cfg.fault_tolerance.enable:  # one node per group (the config refuses more)
+        replicas, env[REPLICA_ID_ENV] = cfg.replica_groups, macros.replica_id
+        launch = launch.model_copy(
+            update={
+                "log_dir": f"{launch.log_dir}/replica-{macros.replica_id}",
+                "max_restarts": cfg.fault_tolerance.max_group_restarts,
+            }
+        )
     python = sys.executable if launch.scheduler in HOST_SCHEDULERS else "python"
     endpoint = rendezvous_endpoint(launch)
     cmd = torchrun_command(launch, config_path, python=python, rendezvous=(endpoint, macros.app_id))
@@ -94,8 +111,8 @@ def build_appdef(cfg: Any, config_path: str | Path, env: Mapping[str, str]) -> s
                 image=str(role_args.get("image", Path.cwd())),
                 entrypoint="bash",
                 args=["-c", _shell_join(cmd)],
-                env={"PYTHONUNBUFFERED": "1", "LOGLEVEL": "WARNING", **dict(env)},
-                num_replicas=launch.nnodes,
+                env=env,
+                num_replicas=replicas,
                 resource=specs.Resource(
                     cpu=resources.cpus, gpu=resources.gpus, memMB=resources.memory_mb
                 ),

@@ -3,13 +3,17 @@
 ``fault_tolerance.enable`` with ``launch.scheduler: local``: the lighthouses start in this
 process on 127.0.0.1 (``ft.lighthouse``), then every group's torchrun
 (``torchrun_command``, standalone, its own log folder ``{launch.log_dir}/replica-<g>``)
-with ``TITAN_KEDRO_REPLICA_ID``, ``TITAN_KEDRO_GROUP_ATTEMPT`` and ``TORCHFT_LIGHTHOUSE``.
-Output is streamed with a ``[group g]`` prefix. A group that dies is restarted (attempt
-+1, up to ``fault_tolerance.max_group_restarts``) while another group still trains, and
-heals from it; when every group has finished, the job is done. On any way out (success,
-failure, Ctrl-C, ``launch.timeout_s``) every group's process tree and the lighthouses
-are stopped. This process holds the run folder's lock (``train.run_lock``) for the whole
-job, since the groups share it; each group's torchrun ends with this process.
+with ``TITAN_KEDRO_REPLICA_ID``, ``TITAN_KEDRO_GROUP_ATTEMPT`` and the lighthouses'
+addresses (``replica_group_services``). Output is streamed with a ``[group g]`` prefix.
+A group that dies is restarted (attempt +1, up to ``fault_tolerance.max_group_restarts``)
+while another group still trains, and heals from it; when every group has finished, the
+job is done. On any way out (success, failure, Ctrl-C, ``launch.timeout_s``) every
+group's process tree and the lighthouses are stopped. This process holds the run
+folder's lock (``train.run_lock``) for the whole job, since the groups share it; each
+group's torchrun ends with this process.
+
+With ``launch.scheduler: local_cwd`` the same services run here around a TorchX job of G
+replicas (``appdef.build_appdef``), each group's torchrun restarting its own workers.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -44,6 +48,39 @@ from titan_kedro.launch.torchrun import (
 from titan_kedro.train.run_lock import hold_run_folder
 
 POLL_S = 0.2
+
+
+@contextlib.contextmanager
+def replica_group_services(cfg: Any, echo: Callable[[str], None]) -> Iterator[dict[str, str]]:
+    """The run folder's lock and the lighthouses of one fault-tolerant job, held until it ends.
+
+    Yields:
+        The variables every group's torchrun needs: ``TORCHFT_LIGHTHOUSE`` and the startup
+        barrier (which only a group's first attempt joins).
+    """
+    ckpt = cfg.checkpoint
+    with (
+        hold_run_folder(
+            ckpt.folder,
+            timeout_s=ckpt.lock_timeout_s,
+            break_lock=ckpt.break_lock,
+            run_id=cfg.job.run_id,
+        )
+        if ckpt.enable
+        else contextlib.nullcontext()
+    ):
+        lighthouses = Lighthouses.start(cfg.fault_tolerance)
+        try:
+            echo(
+                f"[ft] lighthouse {lighthouses.quorum_address}, startup barrier "
+                f"{lighthouses.startup_address}\n"
+            )
+            yield {
+                LIGHTHOUSE_ENV: lighthouses.quorum_address,
+                STARTUP_ENV: lighthouses.startup_address,
+            }
+        finally:
+            lighthouses.stop()
 
 
 @dataclass
@@ -89,7 +126,7 @@ class ReplicaGroupLauncher:
         root = Path(cfg.launch.log_dir)
         self.groups = [GroupProcess(g, root / f"replica-{g}") for g in range(cfg.replica_groups)]
         self.restarts: dict[int, int] = {}
-        self.lighthouses: Lighthouses | None = None
+        self.services_env: dict[str, str] = {}
 
     def _echo(self, line: str) -> None:
         with self._lock:
@@ -99,7 +136,6 @@ class ReplicaGroupLauncher:
     def _start(self, group: GroupProcess) -> None:
         """Start the group's torchrun; called from the thread that runs ``run()``, since
         the group gets SIGKILL when its starting thread ends (``train.parent_death``)."""
-        assert self.lighthouses is not None
         launch = self.cfg.launch.model_copy(update={"log_dir": str(group.log_dir)})
         cores = os.cpu_count() or 1
         per_process = cores // (launch.nproc_per_node * len(self.groups))
@@ -108,10 +144,8 @@ class ReplicaGroupLauncher:
             **self.extra_env,
             REPLICA_ID_ENV: str(group.replica_id),
             GROUP_ATTEMPT_ENV: str(group.attempt),
-            LIGHTHOUSE_ENV: self.lighthouses.quorum_address,
+            **self.services_env,
         }
-        if group.attempt == 0:
-            env[STARTUP_ENV] = self.lighthouses.startup_address
         group.torchrun = start_torchrun(launch, self.config_path, extra_env=env)
         self._echo(
             f"[group {group.replica_id}] launching (attempt {group.attempt}): "
@@ -151,25 +185,10 @@ class ReplicaGroupLauncher:
         deadline = (
             time.monotonic() + self.cfg.launch.timeout_s if self.cfg.launch.timeout_s else None
         )
-        ckpt = self.cfg.checkpoint
-        with (
-            hold_run_folder(
-                ckpt.folder,
-                timeout_s=ckpt.lock_timeout_s,
-                break_lock=ckpt.break_lock,
-                run_id=self.cfg.job.run_id,
-            )
-            if ckpt.enable
-            else contextlib.nullcontext()
-        ):
+        with replica_group_services(self.cfg, self._echo) as self.services_env:
             self._run_groups(ft, deadline)
 
     def _run_groups(self, ft: Any, deadline: float | None) -> None:
-        self.lighthouses = Lighthouses.start(ft)
-        self._echo(
-            f"[ft] lighthouse {self.lighthouses.quorum_address}, startup barrier "
-            f"{self.lighthouses.startup_address}\n"
-        )
         try:
             for group in self.groups:
                 self._start(group)
@@ -218,9 +237,7 @@ class ReplicaGroupLauncher:
         self._start(group)
 
     def stop(self) -> None:
-        """Stop every group's process tree and the lighthouses (idempotent)."""
+        """Stop every group's process tree (idempotent; the lighthouses stop after it)."""
         for group in self.groups:
             if group.torchrun is not None:
                 stop_torchrun(group.torchrun)
-        if self.lighthouses is not None:
-            self.lighthouses.stop()

@@ -186,17 +186,19 @@ def run_job(
         host = launch.scheduler in HOST_SCHEDULERS
         with exported({**credentials, **uri} if host else {}):
             handle = runner.schedule(info)
-        logger.info("submitted %s (%d × %d workers)", handle, launch.nnodes, launch.nproc_per_node)
+        replicas = app.roles[0].num_replicas
+        kind = "group" if cfg.fault_tolerance.enable else "node"
+        logger.info("submitted %s (%d × %d workers)", handle, replicas, launch.nproc_per_node)
         follower = OutputFollower(
             [
                 lambda k=k: (
                     redact(line, secrets)
                     for line in runner.log_lines(handle, ROLE, k, should_tail=True)
                 )
-                for k in range(launch.nnodes)
+                for k in range(replicas)
             ],
             console,
-            [f"[node {k}] " for k in range(launch.nnodes)] if launch.nnodes > 1 else None,
+            [f"[{kind} {k}] " for k in range(replicas)] if replicas > 1 else None,
         )
         status, timed_out = supervise(
             lambda: runner.status(handle), _ended, lambda: _cancel(runner, handle),
@@ -218,7 +220,7 @@ def run_job(
     raise TrainingFailedError(
         redact(
             f"training job {handle} {reason}. Worker logs: {log_dir}\n"
-            f"--- node {k} output (last {TAIL_LINES} lines) ---\n{replica_log}"
+            f"--- {kind} {k} output (last {TAIL_LINES} lines) ---\n{replica_log}"
             + (f"\n{rank_log}" if rank_log else "")
             + (f"\n--- scheduler error ---\n{error}" if error else ""),
             secrets,

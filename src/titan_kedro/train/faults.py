@@ -6,7 +6,7 @@ default 0). The rank calls ``os._exit`` before that step's forward pass, but onl
 
 With fault-tolerant replica groups, ``TITAN_KEDRO_CRASH_GROUP=<replica id>`` picks the
 group: that group's rank SIGKILLs itself (a machine lost, no handler runs), only on the
-group's first start (``TITAN_KEDRO_GROUP_ATTEMPT`` 0), so the restarted group heals and
+group's first start (``ft.identity.group_attempt`` 0), so the restarted group heals and
 trains on; ``TITAN_KEDRO_DEGRADED_STEP_DELAY_S`` (read by ``ft.replica``) slows the
 steps the live groups take without it, so they are still training when it returns (a
 real step takes minutes, a test's milliseconds). This is how restart, resume and healing
@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 
-from titan_kedro.ft.identity import GROUP_ATTEMPT_ENV, REPLICA_ID_ENV
+from titan_kedro.ft.identity import REPLICA_ID_ENV, group_attempt
 
 CRASH_STEP_ENV = "TITAN_KEDRO_CRASH_AT_STEP"
 CRASH_RANK_ENV = "TITAN_KEDRO_CRASH_RANK"
@@ -38,7 +38,7 @@ def maybe_crash(step: int, rank: int) -> None:
         return
     group = os.environ.get(CRASH_GROUP_ENV)
     if group is not None:
-        if os.environ.get(REPLICA_ID_ENV) != group or os.environ.get(GROUP_ATTEMPT_ENV, "0") != "0":
+        if os.environ.get(REPLICA_ID_ENV) != group or group_attempt() != 0:
             return
         print(f"[fault injection] group {group} rank {rank} SIGKILLs itself at step {step}",
               file=sys.stderr, flush=True)  # fmt: skip
