@@ -12,12 +12,13 @@ from types import SimpleNamespace
 import pytest
 from kedro_mlflow.config.kedro_mlflow_config import KedroMlflowConfig
 from mlflow.tracking import MlflowClient
-from train.helpers import tiny_job
+from train.helpers import live_holder, tiny_job
 
 from titan_kedro.hooks.continue_run import CHANGED_TAG, CONTINUED_TAG, ContinueRunHook
 from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.train.checkpoint.resume import CheckpointRunIdError, find_checkpoint
 from titan_kedro.train.run_identity import prepare_run
+from titan_kedro.train.run_lock import RunFolderLockedError
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "titan_kedro"
 
@@ -112,3 +113,20 @@ def test_no_module_outside_hooks_is_a_kedro_hook() -> None:
             hooks.append(path.relative_to(SRC).as_posix())
     assert "hooks/continue_run.py" in hooks  # the scan finds hooks
     assert [p for p in hooks if not p.startswith("hooks/")] == []
+
+
+def test_continuing_a_run_a_live_writer_holds_is_refused_before_its_mlflow_run_is_touched(
+    tmp_path: Path, tracking: MlflowClient
+) -> None:
+    experiment = tracking.create_experiment(f"locked-{tmp_path.name}")
+    run_id = tracking.create_run(experiment).info.run_id
+    checkpoint = _checkpoint(tmp_path / "ckpt", run_id, 3, mtime=1_000)
+    params = tiny_job(tmp_path, tmp_path / "tokens", checkpoint={"resume": "latest"})
+    context = SimpleNamespace(params=params, mlflow=KedroMlflowConfig())
+    hook = ContinueRunHook()
+    hook.after_context_created(context)
+    with live_holder(checkpoint.parent) as holder, pytest.raises(RunFolderLockedError) as err:
+        hook.before_pipeline_run({}, None, None)
+    assert f"pid {holder.pid}" in str(err.value)
+    assert context.mlflow.tracking.run.id is None
+    assert CONTINUED_TAG not in tracking.get_run(run_id).data.tags

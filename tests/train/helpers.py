@@ -6,7 +6,9 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+import textwrap
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -232,3 +234,27 @@ def assert_first_step_moves_weights_by_lr(trainer: Any) -> dict[str, Any]:
     moved = max(float((p.detach() - before[n]).abs().max()) for n, p in gains.items())
     assert abs(moved - metrics["lr"]) <= 1e-4 * metrics["lr"], (moved, metrics["lr"])
     return metrics
+
+
+HOLDER = """
+import sys, time
+from titan_kedro.train.run_lock import hold_run_folder
+with hold_run_folder(sys.argv[1], timeout_s=900, run_id="run-1"):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+@contextmanager
+def live_holder(folder: Path) -> Iterator[subprocess.Popen[str]]:
+    """Another process that trains into ``folder`` (holds its lock) until the block ends."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(HOLDER), str(folder)],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "held\n"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()

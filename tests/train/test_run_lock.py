@@ -6,12 +6,7 @@ import json
 import logging
 import os
 import socket
-import subprocess
-import sys
-import textwrap
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -26,32 +21,9 @@ from titan_kedro.train.run_lock import (
     read_holder,
 )
 
-from .helpers import REPO, run_worker, tiny_job, write_token_dir
+from .helpers import live_holder, run_worker, tiny_job, write_token_dir
 
 TIMEOUT_S = 900
-
-HOLDER = """
-import sys, time
-from titan_kedro.train.run_lock import hold_run_folder
-with hold_run_folder(sys.argv[1], timeout_s=900, run_id="run-1"):
-    print("held", flush=True)
-    time.sleep(600)
-"""
-
-
-@contextmanager
-def live_holder(folder: Path) -> Iterator[subprocess.Popen[str]]:
-    """Another process that trains into ``folder`` (holds its lock) until the block ends."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(HOLDER), str(folder)],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")},
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None and proc.stdout.readline() == "held\n"
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def _foreign_lock(folder: Path, *, age_s: float, group: str | None = None) -> LockHolder:

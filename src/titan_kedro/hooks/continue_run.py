@@ -32,6 +32,7 @@ from titan_kedro.train.run_identity import (
     differences,
     math_settings,
 )
+from titan_kedro.train.run_lock import check_run_folder
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class ContinueRunHook:
             FileNotFoundError: ``checkpoint.resume`` names no complete checkpoint.
             CheckpointRunIdError: The checkpoint's recorded run id is unsafe to use.
             ResumeMismatchError: A maths-changing setting differs from the checkpoint's.
+            RunFolderLockedError: A live run still trains into the checkpoint's run folder.
         """
         self.resume_point = None
         params = self._context.params
@@ -72,6 +74,11 @@ class ContinueRunHook:
         if point is None:
             return
         check_resume_compatible(point.checkpoint, math_settings(cfg, None))
+        # A run that still trains into the folder is refused before its MLflow run is touched.
+        ckpt = cfg.checkpoint
+        check_run_folder(
+            point.checkpoint.parent, timeout_s=ckpt.lock_timeout_s, break_lock=ckpt.break_lock
+        )
         self.resume_point = point
         logger.info("checkpoint.resume=%s resolved to %s", resume, point.checkpoint)
         self._reopen_mlflow_run(point, params)
