@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from launch.job_processes import is_worker, start_training_node, wait_for_workers
+from launch.job_processes import descendants, is_worker, start_training_node, wait_for_workers
 from train.helpers import REPO, tiny_job, write_token_dir
 
 from titan_kedro.train.parent_death import AGENT_PID_ENV, ORPHANED_EXIT_CODE, guarded_command
@@ -85,7 +85,9 @@ def test_killing_the_launcher_alone_ends_torchrun_and_every_worker(
     log = tmp_path / "node.log"
     node = start_training_node(job, log)
     try:
-        family = wait_for_workers(node, workers, log)
+        family = wait_for_workers(
+            node, descendants(node), workers, output=lambda: log.read_text(errors="replace")
+        )
         trainers = [p for p in family if is_worker(p)]
         # No signal to the launcher's process group would reach the workers.
         assert all(os.getpgid(p.pid) != os.getpgid(node.pid) for p in trainers)

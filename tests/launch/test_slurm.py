@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from interrupt import interrupt_once_training
+from launch.job_processes import interrupt_once_training
 from mlflow.tracking import MlflowClient
 from test_end_to_end import add_c4_sample, copy_project
 from test_torchx_launch import shared_job

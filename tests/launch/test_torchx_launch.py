@@ -7,14 +7,13 @@ import json
 import logging
 import os
 import re
-import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
-from launch.job_processes import start_training_node, wait_for_workers
+from launch.job_processes import descendants, interrupt_once_training, start_training_node
 from torchx.components.dist import ddp
 from train.helpers import tiny_job, write_token_dir
 
@@ -247,14 +246,7 @@ def test_interrupting_a_local_cwd_run_leaves_no_process_behind(tmp_path: Path) -
     )
     log = tmp_path / "node.log"
     node = start_training_node(job, log)
-    try:
-        family = wait_for_workers(node, 2, log)  # agents, their wrappers and the workers
-        time.sleep(2)  # the workers are inside training now
-        node.send_signal(signal.SIGINT)
-        node.wait(timeout=90)
-    finally:
-        if node.poll() is None:
-            node.kill()
+    _, family = interrupt_once_training(node, descendants(node))  # agents, wrappers, workers
     output = log.read_text(errors="replace")
     assert node.returncode != 0 and "KeyboardInterrupt" in output, output[-3000:]
     assert "cancelling" in output
