@@ -309,7 +309,7 @@ def test_every_config_field_is_read_by_the_run(e2e: E2ERun, tmp_path: Path) -> N
     assert unread == [], "config fields nothing reads (remove them or make them take effect)"
 
 
-# Runs before the `rerun` fixture: later runs register new versions and move the alias.
+# Runs before the `interrupted` fixture: later runs could register new versions and move the alias.
 @pytest.mark.slow
 def test_system_metrics_dataset_inputs_and_registered_model(e2e: E2ERun) -> None:
     import mlflow
@@ -358,54 +358,60 @@ def test_system_metrics_dataset_inputs_and_registered_model(e2e: E2ERun) -> None
     assert float(np.abs(theirs - expected).max()) <= 1e-4
 
 
-@pytest.fixture(scope="module")
-def rerun(e2e: E2ERun) -> list[Run]:
-    """A second ``kedro run --env test`` right after the first; both runs, oldest first."""
-    proc = kedro_run(e2e.project)
-    assert proc.returncode == 0, f"second kedro run failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
-    experiment = e2e.client.get_experiment_by_name("titan_kedro")
-    runs = e2e.client.search_runs([experiment.experiment_id], order_by=["start_time ASC"])
-    return runs
-
-
-@pytest.mark.slow
-def test_a_second_kedro_run_is_a_new_run_that_trains_from_step_1(
-    e2e: E2ERun, rerun: list[Run]
-) -> None:
-    assert len(rerun) == 2 and rerun[0].info.run_id == e2e.run.info.run_id
-    for run in rerun:
-        steps = sorted(m.step for m in e2e.client.get_metric_history(run.info.run_id, "loss"))
-        assert len(steps) >= 10 and steps[0] == 1, (run.info.run_id, steps)
-        assert (checkpoint_of(e2e.project, run, 12) / "metadata.json").is_file()
-
-
 TRAIN_ONLY = ("--pipelines", "data_processing,model_spec,training")
 
 
-@pytest.mark.slow
-def test_an_interrupted_run_continues_its_mlflow_run_exactly(e2e: E2ERun, rerun: list[Run]) -> None:
+@dataclass
+class Interrupted:
+    run: Run
+    """The second run of the project: rank 1 exits at step 5, checkpoints every 3 steps."""
+    output: str
+
+
+@pytest.fixture(scope="module")
+def interrupted(e2e: E2ERun) -> Interrupted:
+    """A second ``kedro run`` in the e2e project, whose rank 1 exits at step 5."""
     crash = {"TITAN_KEDRO_CRASH_AT_STEP": "5", "TITAN_KEDRO_CRASH_RANK": "1"}
     failed = kedro_run(
         e2e.project, *TRAIN_ONLY, "--params", "checkpoint.interval=3", extra_env=crash
     )
-    assert failed.returncode != 0 and "rank 1 exits at step 5" in failed.stdout + failed.stderr
+    output = failed.stdout + failed.stderr
+    assert failed.returncode != 0 and "rank 1 exits at step 5" in output, output[-6000:]
     experiment = e2e.client.get_experiment_by_name("titan_kedro")
     runs = e2e.client.search_runs([experiment.experiment_id], order_by=["start_time ASC"])
-    assert len(runs) == 3
-    interrupted = runs[-1]
-    assert interrupted.info.status == "FAILED"
-    assert checkpoint_of(e2e.project, interrupted, 3).is_dir()
+    assert len(runs) == 2 and runs[0].info.run_id == e2e.run.info.run_id
+    return Interrupted(runs[1], output)
 
+
+@pytest.mark.slow
+def test_a_second_kedro_run_is_a_new_run_that_trains_from_step_1(
+    e2e: E2ERun, interrupted: Interrupted
+) -> None:
+    first, second = e2e.run, interrupted.run
+    assert second.info.run_id != first.info.run_id and second.info.status == "FAILED"
+    steps = sorted(m.step for m in e2e.client.get_metric_history(second.info.run_id, "loss"))
+    assert steps[:4] == [1, 2, 3, 4], steps  # from step 1, not from the first run's step 12
+    assert "resumed from" not in interrupted.output, interrupted.output[-4000:]
+    # Each run writes under its own run id; the first run's checkpoint is untouched.
+    assert (checkpoint_of(e2e.project, second, 3) / "metadata.json").is_file()
+    assert (checkpoint_of(e2e.project, first, 12) / "metadata.json").is_file()
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_continues_its_mlflow_run_exactly(
+    e2e: E2ERun, interrupted: Interrupted
+) -> None:
+    experiment = e2e.client.get_experiment_by_name("titan_kedro")
     proc = kedro_run(
         e2e.project, *TRAIN_ONLY, "--params", "checkpoint.resume=latest,checkpoint.interval=3"
     )
     assert proc.returncode == 0, f"continuing failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
     runs = e2e.client.search_runs([experiment.experiment_id], order_by=["start_time ASC"])
-    assert len(runs) == 3, "continuing must reopen the interrupted MLflow run, not start one"
-    continued = e2e.client.get_run(interrupted.info.run_id)
+    assert len(runs) == 2, "continuing must reopen the interrupted MLflow run, not start one"
+    continued = e2e.client.get_run(interrupted.run.info.run_id)
     assert continued.info.status == "FINISHED"
     assert "checkpoint.resume: never -> latest" in continued.data.tags["titan_kedro.changed_params"]
-    history = e2e.client.get_metric_history(interrupted.info.run_id, "loss")
+    history = e2e.client.get_metric_history(interrupted.run.info.run_id, "loss")
     reference = dict(e2e.history("loss"))  # the first, uninterrupted run
     assert max(m.step for m in history) == 12
     for step in (4, 5, 6):
@@ -413,7 +419,7 @@ def test_an_interrupted_run_continues_its_mlflow_run_exactly(e2e: E2ERun, rerun:
         assert values, step
         for value in values:  # step 4 was logged before the crash and again after it
             assert value == pytest.approx(reference[step], abs=1e-6), step
-    assert checkpoint_of(e2e.project, interrupted, 12).is_dir()
+    assert checkpoint_of(e2e.project, interrupted.run, 12).is_dir()
 
 
 @pytest.mark.slow

@@ -28,7 +28,14 @@ import psutil
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
-from train.helpers import REPO, TINY_DEEPSEEK, run_worker, step_losses, tiny_job, write_token_dir
+from train.helpers import (
+    REPO,
+    TINY_DEEPSEEK,
+    rerun_here,
+    step_losses,
+    tiny_job,
+    write_token_dir,
+)
 
 from ft.ft_helpers import descendants_alive, ft_project, kedro_training, latest_run_metrics
 from titan_kedro.config import dump_job_config
@@ -63,17 +70,13 @@ def test_two_groups_train_like_hsdp_with_two_replicas_through_kedro_run(tmp_path
     ft = latest_run_metrics(project, ("loss", "ft/participants", "ft/skipped_samples"))
 
     # The same resolved config (the node's job_config.yaml) as one torchrun of 2 HSDP ranks.
-    hsdp_raw = yaml.safe_load(
-        (project / "data" / "07_model_output" / "job" / "job_config.yaml").read_text()
+    hsdp = rerun_here(
+        project / "data" / "07_model_output" / "job" / "job_config.yaml",
+        tmp_path / "hsdp",
+        nproc=2,
+        fault_tolerance={"enable": False, "replica_groups": 1},
+        parallelism={"data_parallel_replicate_degree": 2},
     )
-    hsdp_raw["fault_tolerance"].update(enable=False, replica_groups=1)
-    hsdp_raw["parallelism"]["data_parallel_replicate_degree"] = 2
-    hsdp_raw["job"].update(dump_folder=str(tmp_path / "hsdp" / "job"), run_id=None)
-    hsdp_raw["launch"]["log_dir"] = str(tmp_path / "hsdp" / "logs")
-    hsdp_raw["checkpoint"]["folder"] = str(tmp_path / "hsdp" / "ckpt")
-    hsdp_raw["metrics"]["enable_mlflow"] = False
-    run_worker(hsdp_raw, nproc=2)
-    hsdp = step_losses(tmp_path / "hsdp" / "job")
 
     assert sorted(ft["loss"]) == list(range(1, 13)) == sorted(hsdp)
     for step, loss in hsdp.items():

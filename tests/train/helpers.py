@@ -138,6 +138,23 @@ def read_metrics(dump_folder: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
 
 
+def rerun_here(
+    job_config: Path, root: Path, *, nproc: int, **sections: dict[str, Any]
+) -> dict[int, float]:
+    """Train the resolved job a node wrote (its ``job_config.yaml``) again by plain torchrun
+    on this machine, with ``sections`` merged over it, writing only under ``root`` and
+    logging nowhere; returns its ``{step: loss}``."""
+    raw = yaml.safe_load(job_config.read_text(encoding="utf-8"))
+    raw["job"].update(dump_folder=str(root / "job"), run_id=None)
+    raw["launch"].update(scheduler="local", nnodes=1, log_dir=str(root / "logs"))
+    raw["checkpoint"].update(folder=str(root / "ckpt"), resume="never")
+    raw["metrics"]["enable_mlflow"] = False
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values}
+    run_worker(raw, nproc=nproc, timeout_s=600)
+    return step_losses(root / "job")
+
+
 def step_losses(dump_folder: str | Path) -> dict[int, float]:
     """``{step: loss}`` from ``metrics.jsonl`` (a resumed run appends; later rows win)."""
     return {row["step"]: row["loss"] for row in read_metrics(dump_folder) if "loss" in row}
