@@ -325,3 +325,18 @@ def test_plan_matches_what_the_trainer_allocates_on_two_cpu_ranks(tmp_path: Path
     assert real["params"] > 10_000_000  # the debug model's shard, not nothing
     assert plan["params"] == pytest.approx(real["params"], rel=0.05)
     assert plan["optimizer"] == pytest.approx(real["optimizer"], rel=0.05)
+
+
+def test_a_config_is_measured_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model-spec node and the training node plan the same config in one kedro run."""
+    measured = []
+    measure = planner._measure
+    monkeypatch.setattr(planner, "_measure", lambda job: measured.append(job) or measure(job))
+    monkeypatch.setattr(planner, "_MEASURED", {})
+    first = _plan(training={"local_batch_size": 3})
+    first["bytes_per_rank"]["total"] = -1  # a caller's change does not reach the next one
+    again = _plan(training={"local_batch_size": 3})
+    assert len(measured) == 1 and again["bytes_per_rank"]["total"] > 0
+    other = _plan(training={"local_batch_size": 2})
+    assert len(measured) == 2
+    assert other["bytes_per_rank"]["total"] < again["bytes_per_rank"]["total"]

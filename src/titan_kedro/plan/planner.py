@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
+import logging
 import math
 import time
 from typing import Any
@@ -40,6 +43,13 @@ MEASURED_REPEATS = 2
 """Repeated blocks (after a model's leading special ones) in an extrapolated measurement."""
 
 
+logger = logging.getLogger(__name__)
+
+_MEASURED: dict[str, dict[str, Any]] = {}
+"""Plans measured in this process, by ``_measurement_key``: a ``kedro run`` plans in the
+model-spec node and again in the training node, which reuses the first measurement."""
+
+
 class PlanDoesNotFitError(RuntimeError):
     """The job's plan needs more memory per rank than its device has."""
 
@@ -67,6 +77,32 @@ def build_plan(resolved: ResolvedJob) -> dict[str, Any]:
         reserved_gib, fits, headroom_gib, cost`` (with the roofline time), ``suggestions``
         (empty when it fits) and ``planned_in_s``.
     """
+    key = _measurement_key(resolved)
+    if key in _MEASURED:
+        logger.info("plan: this config was measured earlier in this process; reusing it")
+        return copy.deepcopy(_MEASURED[key])
+    plan = _measure(resolved)
+    _MEASURED[key] = copy.deepcopy(plan)
+    return plan
+
+
+def _measurement_key(resolved: ResolvedJob) -> str:
+    """Everything a measurement depends on; a model whose args have no stable ``repr``
+    (a custom model's plain class) never matches, so it is measured again."""
+    return json.dumps(
+        [
+            resolved.config.model_dump(mode="json"),
+            resolved.spec.name,
+            repr(resolved.model_args),
+            FULL_STEP_MAX_BLOCKS,
+            MEASURED_REPEATS,
+        ],
+        sort_keys=True,
+        default=repr,
+    )
+
+
+def _measure(resolved: ResolvedJob) -> dict[str, Any]:
     start = time.perf_counter()
     cfg, spec, args = resolved.config, resolved.spec, resolved.model_args
     world = cfg.launch.world_size
