@@ -98,7 +98,6 @@ def _measurement_key(resolved: ResolvedJob) -> str:
             MEASURED_REPEATS,
         ],
         sort_keys=True,
-        default=repr,
     )
 
 
