@@ -201,3 +201,27 @@ def test_maths_changes_are_refused_listing_the_keys(tmp_path: Path) -> None:
         check_resume_compatible(path, changed)
     assert "data_fingerprint" in str(err.value) and "training.seq_len" in str(err.value)
     assert "model.flavor" not in str(err.value)
+
+
+def test_one_resolution_reads_the_checkpoint_metadata_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from train.conftest import make_config
+
+    from titan_kedro.train.run_identity import checkpoint_metadata, prepare_run
+
+    root = tmp_path / "ckpt"
+    cfg = make_config(checkpoint={"folder": str(root), "resume": "latest"}, job={"run_id": RUN_A})
+    _fake_checkpoint(root / RUN_A / "step-4", **checkpoint_metadata(cfg, None))
+    reads: list[Path] = []
+    real_read_text = Path.read_text
+
+    def counting_read_text(self: Path, *args: object, **kwargs: object) -> str:
+        if self.name == METADATA:
+            reads.append(self)
+        return real_read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", counting_read_text)
+    workers = prepare_run(cfg, None, RUN_A)  # finds latest, checks run id, maths, schedule
+    assert workers.checkpoint.resume == str(root / RUN_A / "step-4")
+    assert reads == [root / RUN_A / "step-4" / METADATA]

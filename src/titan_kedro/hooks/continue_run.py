@@ -73,7 +73,7 @@ class ContinueRunHook:
         point = resolve_resume(cfg.checkpoint.folder, resume)
         if point is None:
             return
-        check_resume_compatible(point.checkpoint, math_settings(cfg, None))
+        check_resume_compatible(point.checkpoint, math_settings(cfg, None), point.metadata)
         # A run that still trains into the folder is refused before its MLflow run is touched.
         ckpt = cfg.checkpoint
         check_run_folder(

@@ -19,7 +19,7 @@ import json
 import logging
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,8 @@ class RunPlan:
     """``checkpoint.folder/<run_id>``: this run's checkpoints."""
     resume_from: Path | None
     """The checkpoint continued, or None for a new run."""
+    resume_metadata: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """That checkpoint's ``metadata.json`` (read once, by ``resolve_resume``)."""
 
 
 def new_run_id() -> str:
@@ -72,7 +74,9 @@ def plan_run(root: str | Path, resume: str, active_run_id: str | None) -> RunPla
     """
     point = resolve_resume(root, resume)
     run_id = (point.run_id if point else None) or active_run_id or new_run_id()
-    return RunPlan(run_id, Path(root) / run_id, point.checkpoint if point else None)
+    if point is None:
+        return RunPlan(run_id, Path(root) / run_id, None)
+    return RunPlan(run_id, Path(root) / run_id, point.checkpoint, point.metadata)
 
 
 def math_settings(cfg: Any, token_metadata: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -112,13 +116,24 @@ def differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> dict[st
     }
 
 
-def check_resume_compatible(checkpoint: str | Path, current: Mapping[str, Any]) -> None:
+def check_resume_compatible(
+    checkpoint: str | Path,
+    current: Mapping[str, Any],
+    metadata: Mapping[str, Any] | None = None,
+) -> None:
     """Refuse to continue ``checkpoint`` when a maths-changing setting differs.
+
+    Args:
+        checkpoint: The checkpoint to continue.
+        current: This run's ``math_settings``.
+        metadata: The checkpoint's ``metadata.json`` when already read (``ResumePoint``).
 
     Raises:
         ResumeMismatchError: Lists every differing key with both values.
     """
-    saved = read_checkpoint_metadata(checkpoint).get(MATH_KEY) or {}
+    if metadata is None:
+        metadata = read_checkpoint_metadata(checkpoint)
+    saved = metadata.get(MATH_KEY) or {}
     diff = differences(saved, current)
     if diff:
         listed = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
@@ -128,9 +143,13 @@ def check_resume_compatible(checkpoint: str | Path, current: Mapping[str, Any]) 
         )
 
 
-def schedule_changes(checkpoint: str | Path, cfg: Any) -> dict[str, tuple[Any, Any]]:
+def schedule_changes(
+    checkpoint: str | Path, cfg: Any, metadata: Mapping[str, Any] | None = None
+) -> dict[str, tuple[Any, Any]]:
     """Allowed changes (steps, learning rate) between ``checkpoint`` and ``cfg``."""
-    saved = read_checkpoint_metadata(checkpoint).get(SCHEDULE_KEY) or {}
+    if metadata is None:
+        metadata = read_checkpoint_metadata(checkpoint)
+    saved = metadata.get(SCHEDULE_KEY) or {}
     return differences(saved, schedule_settings(cfg))
 
 
@@ -176,8 +195,9 @@ def prepare_run(cfg: Any, token_metadata: Mapping[str, Any] | None, active_run: 
     if plan.resume_from is None:
         logger.info("new run %s: checkpoints in %s", plan.run_id, plan.checkpoint_dir)
     else:
-        check_resume_compatible(plan.resume_from, math_settings(cfg, token_metadata))
-        changes = schedule_changes(plan.resume_from, cfg)
+        meta = plan.resume_metadata
+        check_resume_compatible(plan.resume_from, math_settings(cfg, token_metadata), meta)
+        changes = schedule_changes(plan.resume_from, cfg, meta)
         logger.info(
             "continuing run %s from %s%s",
             plan.run_id,

@@ -12,8 +12,10 @@ itself. A concrete path resolves to itself, so ``latest`` is never looked up twi
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from titan_kedro.train.checkpoint.layout import (
     METADATA,
@@ -41,6 +43,9 @@ class ResumePoint:
     run_id: str | None
     """The run it belongs to (checked), or None when its metadata records none (a worker
     started by hand without ``job.run_id``)."""
+    metadata: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The checkpoint's ``metadata.json``, read once here and handed on (the maths and
+    schedule checks read it from here, not from the file again)."""
 
 
 def list_checkpoints(folder: str | Path) -> list[tuple[int, Path]]:
@@ -107,12 +112,15 @@ def _subdirs(root: Path) -> list[Path]:
     return [d for d in root.iterdir() if d.is_dir()] if root.is_dir() else []
 
 
-def checkpoint_run_id(checkpoint: str | Path, root: str | Path) -> str | None:
+def checkpoint_run_id(
+    checkpoint: str | Path, root: str | Path, metadata: Mapping[str, Any] | None = None
+) -> str | None:
     """The run id a checkpoint's ``metadata.json`` records, checked before any path use.
 
     Args:
         checkpoint: A complete ``step-<n>`` folder.
         root: ``checkpoint.folder``, which the run's folder ``root/<run id>`` must stay in.
+        metadata: The checkpoint's ``metadata.json`` when already read (else read here).
 
     Returns:
         The run id, or None when the metadata records none.
@@ -121,7 +129,9 @@ def checkpoint_run_id(checkpoint: str | Path, root: str | Path) -> str | None:
         CheckpointRunIdError: The recorded ``run_id`` is not 32 hex digits, or would
             resolve outside ``root`` (e.g. ``../..`` or ``/tmp/x``).
     """
-    value = read_checkpoint_metadata(checkpoint).get(RUN_ID_KEY)
+    if metadata is None:
+        metadata = read_checkpoint_metadata(checkpoint)
+    value = metadata.get(RUN_ID_KEY)
     if value is None:
         return None
     where = Path(checkpoint) / METADATA
@@ -142,7 +152,8 @@ def checkpoint_run_id(checkpoint: str | Path, root: str | Path) -> str | None:
 
 
 def resolve_resume(root: str | Path, resume: str) -> ResumePoint | None:
-    """Resolve ``checkpoint.resume`` once into a concrete checkpoint and its run id.
+    """Resolve ``checkpoint.resume`` once into a concrete checkpoint, its run id and its
+    ``metadata.json`` (read once, here).
 
     Args:
         root: ``checkpoint.folder``.
@@ -158,4 +169,5 @@ def resolve_resume(root: str | Path, resume: str) -> ResumePoint | None:
     checkpoint = find_checkpoint(root, resume)
     if checkpoint is None:
         return None
-    return ResumePoint(checkpoint, checkpoint_run_id(checkpoint, root))
+    metadata = read_checkpoint_metadata(checkpoint)
+    return ResumePoint(checkpoint, checkpoint_run_id(checkpoint, root, metadata), metadata)
