@@ -206,9 +206,8 @@ def test_maths_changes_are_refused_listing_the_keys(tmp_path: Path) -> None:
 def test_one_resolution_reads_the_checkpoint_metadata_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from train.conftest import make_config
-
     from titan_kedro.train.run_identity import checkpoint_metadata, prepare_run
+    from train.conftest import make_config
 
     root = tmp_path / "ckpt"
     cfg = make_config(checkpoint={"folder": str(root), "resume": "latest"}, job={"run_id": RUN_A})
