@@ -22,9 +22,12 @@ run: install
 		echo "copying the C4 sample into data/01_raw/c4/"; cp $(SAMPLE) data/01_raw/c4/; chmod u+w data/01_raw/c4/*; fi
 	$(BIN)/kedro run $(ARGS)
 
+# The suite runs inside tests/services.sh, which starts the services it needs (the one-host
+# Slurm cluster: as root it apt-installs Debian's Slurm packages if missing) and stops them
+# after; without root it fails at once naming the command that fixes it.
 test: install
 	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	tests/services.sh $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks examples

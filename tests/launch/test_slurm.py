@@ -102,6 +102,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
          "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--workers", "1",
          "--artifacts-destination", str(root / "artifacts"), "--allowed-hosts", allowed],
         cwd=root, stdout=subprocess.DEVNULL, stderr=(root / "server.log").open("w"),
+        # No background job runner (eight huey processes that the tests never use).
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
     )  # fmt: skip
     client = MlflowClient(f"http://{HOST}:{port}")
     deadline = time.monotonic() + 300
