@@ -10,39 +10,18 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import yaml
 from mlflow.tracking import MlflowClient
-from test_end_to_end import copy_project
-from train.helpers import TINY_DEEPSEEK, write_token_dir
+from small_project import small_vocab_project
 
 ENV = "ftcheck"
 KEDRO = Path(sys.executable).with_name("kedro")
 
 
 def ft_project(root: Path, **sections: dict[str, Any]) -> Path:
-    """A project copy with token files, a model card and a conf env ``ftcheck`` of tiny settings."""
-    project = copy_project(root)
-    tokens = write_token_dir(project / "data" / "05_model_input" / "tokens")
-    (project / "data" / "06_models" / "model_spec.json").write_text("{}", encoding="utf-8")
-    params: dict[str, Any] = {
-        "model": {"name": "deepseek_v2", "flavor": "debugmodel", "overrides": TINY_DEEPSEEK},
-        "data": {"token_dir": str(tokens)},
-        "training": {"steps": 12, "seq_len": 32, "local_batch_size": 2, "device": "cpu",
-                     "num_threads": 1},
-        "lr_scheduler": {"warmup_steps": 2},
-        "parallelism": {"expert_parallel_degree": 1},
-        "launch": {"nproc_per_node": 1},
-        "checkpoint": {"interval": 100},
-        "validation": {"freq": 0},
-        "metrics": {"system_metrics_interval_s": 0, "peak_tflops": 1.0},
-        "fault_tolerance": {"heartbeat_timeout_s": 2.0, "step_timeout_s": 20.0},
-    }  # fmt: skip
-    for name, values in sections.items():
-        params[name] = {**params.get(name, {}), **values}
-    env = project / "conf" / ENV
-    env.mkdir()
-    (env / "parameters.yml").write_text(yaml.safe_dump(params), encoding="utf-8")
-    return project
+    """A small-vocabulary project copy (``small_vocab_project``) with a model card and a conf
+    env ``ftcheck`` whose fault-tolerance timeouts are short."""
+    ft = {"heartbeat_timeout_s": 2.0, "step_timeout_s": 20.0, **sections.pop("fault_tolerance", {})}
+    return small_vocab_project(root, ENV, model_card=True, fault_tolerance=ft, **sections)
 
 
 def kedro_training(

@@ -24,7 +24,7 @@ import psutil
 import pytest
 from launch.job_processes import interrupt_once_training
 from mlflow.tracking import MlflowClient
-from test_end_to_end import add_c4_sample, copy_project
+from small_project import small_vocab_project
 from test_torchx_launch import shared_job
 from train.helpers import rerun_here, write_token_dir
 
@@ -121,25 +121,24 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     proc.wait(timeout=30)
 
 
+ENV = "slurmcheck"
+TRAIN = "model_spec,training"  # the project's token files are written directly
+
+
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    project = copy_project(tmp_path_factory.mktemp("slurm") / "project")
-    add_c4_sample(project)
-    return project
-
-
-FULL = "data_processing,model_spec,training"
-TRAIN = "model_spec,training"  # the token files of an earlier run in the same project
+    """A small-vocabulary project: Slurm's mechanics need no tokenizer or 102,400-row tables."""
+    return small_vocab_project(tmp_path_factory.mktemp("slurm") / "project", ENV)
 
 
 def kedro_run(
     project: Path, uri: str, params: str, pipelines: str = TRAIN, **env: str
 ) -> subprocess.CompletedProcess[str]:
-    """``kedro run --env test`` of ``pipelines`` in ``project``, tracking to ``uri``."""
+    """``kedro run --env slurmcheck`` of ``pipelines`` in ``project``, tracking to ``uri``."""
     environ = {**os.environ, "MLFLOW_TRACKING_URI": uri, "KEDRO_DISABLE_TELEMETRY": "true", **env}
     environ.pop("MLFLOW_RUN_ID", None)
     return subprocess.run(
-        [sys.executable, "-m", "kedro", "run", "--env", "test",
+        [sys.executable, "-m", "kedro", "run", "--env", ENV,
          "--pipelines", pipelines, "--params", params],
         cwd=project, env=environ, capture_output=True, text=True, timeout=1200, check=False,
     )  # fmt: skip
@@ -164,7 +163,7 @@ def slurm_runs(
     uri = server.uri()
     slurm = f"{TINY},{SLURM.format(project=project)}"
     crashed = kedro_run(
-        project, uri, slurm, FULL, TITAN_KEDRO_CRASH_AT_STEP="3", TITAN_KEDRO_CRASH_RANK="1"
+        project, uri, slurm, TITAN_KEDRO_CRASH_AT_STEP="3", TITAN_KEDRO_CRASH_RANK="1"
     )
     continued = kedro_run(project, uri, f"{slurm},checkpoint.resume=latest")
     reference = rerun_here(
@@ -271,7 +270,7 @@ def test_sigint_cancels_the_slurm_job_and_leaves_no_worker(server: Server, proje
     environ = {**os.environ, "MLFLOW_TRACKING_URI": server.uri(), "KEDRO_DISABLE_TELEMETRY": "true"}
     environ.pop("MLFLOW_RUN_ID", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kedro", "run", "--env", "test",
+        [sys.executable, "-m", "kedro", "run", "--env", ENV,
          "--pipelines", TRAIN, "--params", params],
         cwd=project, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
