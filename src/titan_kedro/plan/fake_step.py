@@ -10,9 +10,19 @@ steady-state one: its peak, the parts at that peak, where it happened (module an
 phase), the bytes each block keeps for backward, and FLOPs / roofline seconds from
 ``RooflineCounter``.
 
-Values the step reads (MoE token counts) come from ``KnownValues``: routing is assumed
-balanced. Nothing is computed for real and nothing touches a GPU: a CUDA plan runs the
-same step on the CPU in the GPU's compute dtype (see ``planner.cuda_corrections``).
+The step is the trainer's own ``train/step.TrainStep`` (nothing copied): built from the
+plan's model, loss, optimizers and LR schedulers, on the CPU, with a batch source of
+random tokens. It runs ``min(grad_accum_steps, MEASURED_MICRO_BATCHES)`` micro-batches:
+the second one runs with the first one's gradients held, as every later one does, so the
+peak is the accumulating step's; the roofline totals are reported per micro-batch (the
+planner scales them by ``grad_accum_steps``).
+
+Values the step reads: MoE token counts come from ``KnownValues`` (routing is assumed
+balanced); the scalars it reports and checks (loss, gradient norm) and the expert-load
+statistics come from ``AssumedFinite`` (a fake step has no values: they are assumed
+finite and not reported). Nothing is computed for real and nothing touches a GPU: a
+CUDA plan runs the same step on the CPU in the GPU's compute dtype (see
+``planner.cuda_corrections``).
 """
 
 from __future__ import annotations
@@ -33,14 +43,14 @@ from torch.distributed.fsdp import FSDPModule
 from titan_kedro.models.parallel import autocast_dtype
 from titan_kedro.plan.known_values import KnownValues
 from titan_kedro.plan.roofline import RooflineCounter, RooflineTotals
-from titan_kedro.train.documents import document_inputs, takes_document_ids
+from titan_kedro.train.documents import takes_document_ids
 from titan_kedro.train.fused_loss import (
     FusedOutputLoss,
     defer_output_projection,
     separate_chunk_buffers,
     uses_fused_loss,
 )
-from titan_kedro.train.grad_clip import clip_grad_norm_
+from titan_kedro.train.step import HostReads, TrainStep
 from titan_kedro.train.trainer import build_model
 
 PART_NAMES = {
@@ -61,6 +71,10 @@ PART_NAMES = {
     "Other": "other",
 }
 """The trackers' categories, by the names the plan prints."""
+
+MEASURED_MICRO_BATCHES = 2
+"""Micro-batches the measured step runs at most: the first allocates the gradients, the
+second accumulates into them (the steady state of every later one)."""
 
 FAKE_BOS_ID = 0
 """Token id that starts documents in the fake batch (its values are random: the masks
@@ -86,6 +100,21 @@ class StepMeasurement:
     """Blocks wrapped for recomputation in this step."""
     real_step_s: float | None = None
     """Wall seconds of the same step run untracked (real runs only)."""
+
+
+class AssumedFinite(HostReads):
+    """The step's value reads in a fake step, where tensors have no values.
+
+    Scalars (loss, gradient norm, auxiliary losses) read as ``0.0``: finite, so the step
+    goes on to the optimizer as a healthy real step does (the plan measures memory and
+    work, not values); expert-load statistics are not computed (no metrics).
+    """
+
+    def scalar(self, value: torch.Tensor) -> float:
+        return 0.0
+
+    def expert_load_stats(self, load: torch.Tensor) -> dict[str, Any]:
+        return {}
 
 
 class _PeakWhere:
@@ -185,6 +214,8 @@ def measure_step(
         if checkpointed is None
         else with_checkpointed(resolved.config, checkpointed)
     )
+    micro_batches = min(cfg.grad_accum_steps, MEASURED_MICRO_BATCHES)
+    cfg = with_micro_batches(cfg, micro_batches)
     if fake:
         with torch.device("meta"):
             model = spec.build_model(resolved.model_args)
@@ -207,6 +238,20 @@ def measure_step(
         if fake:
             model = fake_model(model)
         optimizers = spec.build_optimizers_fn([model], cfg)
+        step = TrainStep(
+            [model],
+            loss_fn,
+            optimizers,
+            spec.build_lr_schedulers_fn(optimizers, cfg),
+            cfg,
+            torch.device("cpu"),  # fake or real, the plan's tensors live on the CPU
+            parallel_dims.dp_mesh.get_group(),
+            parallel_dims.dp_degree,
+            _random_batches(vocab, batch, seq),
+            FAKE_BOS_ID if masking else None,
+            autocast,
+            reads=AssumedFinite() if fake else HostReads(),
+        )
         tracker: Any
         if isinstance(model, FSDPModule):
             tracker = _FSDPTracker(model, optimizers.optimizers[0])
@@ -219,15 +264,13 @@ def measure_step(
         with tracker, values, _block_hooks(model, roofline, inputs_seen):
             _create_optimizer_state(model, optimizers)
             tracker.reset_mod_stats()
-            _reset_peak(tracker)
-            tokens = torch.randint(0, vocab, (batch, seq))
-            extra = document_inputs(tokens, FAKE_BOS_ID if masking else None)
+            reset_tracker_peak(tracker)
             with roofline:
-                _train_step(model, loss_fn, optimizers, tokens, extra=extra, autocast=autocast)
+                step()
         if not fake:  # the same step untracked, timed (for the roofline's ratio)
             start = time.perf_counter()
-            _train_step(model, loss_fn, optimizers, tokens, extra=extra, autocast=autocast)
-            timed_s = time.perf_counter() - start
+            step()
+            timed_s = (time.perf_counter() - start) / micro_batches
         snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
         saved = _block_saved_bytes(tracker, model)
     parts: dict[str, int] = {}
@@ -242,37 +285,53 @@ def measure_step(
         peak_at=dict(tracker.peak_at),
         block_saved_bytes=saved,
         block_input_bytes=inputs_seen,
-        roofline=roofline.totals,
+        roofline=_per_micro_batch(roofline.totals, micro_batches),
         checkpointed=wrapped,
         real_step_s=timed_s,
     )
 
 
-def _train_step(
-    model: nn.Module,
-    loss_fn: Any,
-    optimizers: Any,
-    tokens: torch.Tensor,
-    *,
-    extra: dict[str, torch.Tensor],
-    autocast: torch.dtype | None,
-) -> None:
-    """The trainer's step on one micro-batch: forward, loss, backward, norms, update."""
-    with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-        loss = loss_fn(model(tokens, **extra), tokens)
-    if hasattr(model, "moe_aux_loss"):
-        loss = loss + model.moe_aux_loss()
-    loss.backward()
-    params = [p for p in model.parameters() if p.requires_grad]
-    # Norms only: the clip is an in-place multiply whose condition reads the norm's
-    # value, which a fake step does not have.
-    clip_grad_norm_(params, 0.0)
-    optimizers.step()
-    optimizers.zero_grad()
+def with_micro_batches(job_config: Any, micro_batches: int) -> Any:
+    """A copy of ``job_config`` whose step accumulates ``micro_batches`` micro-batches."""
+    if job_config.grad_accum_steps == micro_batches:
+        return job_config
+    samples = job_config.training.local_batch_size * job_config.dp_degree * micro_batches
+    training = job_config.training.model_copy(update={"global_batch_size": samples})
+    return job_config.model_copy(update={"training": training})
 
 
-def _reset_peak(tracker: Any) -> None:
-    """Start the peak afresh from what is allocated now (the optimizer state)."""
+def _random_batches(vocab: int, batch: int, seq: int) -> Any:
+    """The step's batch source: random tokens, the same tensor as inputs and labels."""
+
+    def batches() -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(0, vocab, (batch, seq))
+        return tokens, tokens
+
+    return batches
+
+
+def _per_micro_batch(totals: RooflineTotals, micro_batches: int) -> RooflineTotals:
+    """The roofline of a step of ``micro_batches`` as the mean per micro-batch (the
+    clipping and optimizer share spread over them)."""
+    if micro_batches == 1:
+        return totals
+    return RooflineTotals(
+        flops=totals.flops / micro_batches,
+        bytes=totals.bytes / micro_batches,
+        time_s=totals.time_s / micro_batches,
+        by_block={name: s / micro_batches for name, s in totals.by_block.items()},
+    )
+
+
+def reset_tracker_peak(tracker: Any) -> None:
+    """Start the tracker's peak afresh from what is allocated now (the optimizer state).
+
+    torch's ``MemTracker`` has no public way to reset its peak (only ``reset_mod_stats``
+    for the per-module figures), so this writes the two private attributes its own
+    ``__enter__`` initialises, ``_peak_mem`` and ``_peak_mem_snap``, the same way; the
+    only place that touches them (``tests/plan/test_fake_step.py`` fails if torch
+    renames them).
+    """
     tracker._peak_mem_snap = tracker.get_tracker_snapshot()
     tracker._peak_mem = {dev: snap["Total"] for dev, snap in tracker._peak_mem_snap.items()}
     tracker.peak_at = {"module": "(none)", "phase": "(none)"}
