@@ -238,6 +238,13 @@ def measure_step(
         if fake:
             model = fake_model(model)
         optimizers = spec.build_optimizers_fn([model], cfg)
+        tracker: Any
+        if isinstance(model, FSDPModule):
+            tracker = _FSDPTracker(model, optimizers.optimizers[0])
+        else:
+            tracker = _PlainTracker()
+            tracker.track_external(model, *optimizers.optimizers)
+        roofline = RooflineCounter(peak_flops, bandwidth)
         step = TrainStep(
             [model],
             loss_fn,
@@ -247,18 +254,11 @@ def measure_step(
             torch.device("cpu"),  # fake or real, the plan's tensors live on the CPU
             parallel_dims.dp_mesh.get_group(),
             parallel_dims.dp_degree,
-            _random_batches(vocab, batch, seq),
+            _random_batches(vocab, batch, seq, between=tracker.reset_mod_stats),
             FAKE_BOS_ID if masking else None,
             autocast,
             reads=AssumedFinite() if fake else HostReads(),
         )
-        tracker: Any
-        if isinstance(model, FSDPModule):
-            tracker = _FSDPTracker(model, optimizers.optimizers[0])
-        else:
-            tracker = _PlainTracker()
-            tracker.track_external(model, *optimizers.optimizers)
-        roofline = RooflineCounter(peak_flops, bandwidth)
         inputs_seen: dict[str, int] = {}
         values = KnownValues() if fake else nullcontext()
         with tracker, values, _block_hooks(model, roofline, inputs_seen):
@@ -267,12 +267,12 @@ def measure_step(
             reset_tracker_peak(tracker)
             with roofline:
                 step()
+        snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        saved = _block_saved_bytes(tracker, model)
         if not fake:  # the same step untracked, timed (for the roofline's ratio)
             start = time.perf_counter()
             step()
             timed_s = (time.perf_counter() - start) / micro_batches
-        snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
-        saved = _block_saved_bytes(tracker, model)
     parts: dict[str, int] = {}
     for kind, value in snapshot.items():
         if kind == "Total":
@@ -300,10 +300,20 @@ def with_micro_batches(job_config: Any, micro_batches: int) -> Any:
     return job_config.model_copy(update={"training": training})
 
 
-def _random_batches(vocab: int, batch: int, seq: int) -> Any:
-    """The step's batch source: random tokens, the same tensor as inputs and labels."""
+def _random_batches(vocab: int, batch: int, seq: int, *, between: Any) -> Any:
+    """The step's batch source: random tokens, the same tensor as inputs and labels.
+
+    ``between`` runs before every micro-batch after a step's first: the trackers refuse a
+    module's second forward unless their per-module stats are reset
+    (``reset_mod_stats``), so the block figures are the last micro-batch's.
+    """
+    drawn = 0
 
     def batches() -> tuple[torch.Tensor, torch.Tensor]:
+        nonlocal drawn
+        if drawn:
+            between()
+        drawn += 1
         tokens = torch.randint(0, vocab, (batch, seq))
         return tokens, tokens
 
