@@ -13,7 +13,7 @@ from train.helpers import tiny_job, write_token_dir
 
 from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.plan import build_plan, planner
-from titan_kedro.plan.fake_step import reset_tracker_peak
+from titan_kedro.plan.trackers import reset_tracker_peak
 from titan_kedro.train import step as step_module
 from titan_kedro.train.step import TrainStep
 from titan_kedro.train.trainer import Trainer

@@ -36,13 +36,17 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 
 from titan_kedro.models.parallel import autocast_dtype
 from titan_kedro.plan.known_values import KnownValues
 from titan_kedro.plan.roofline import RooflineCounter, RooflineTotals
+from titan_kedro.plan.trackers import (
+    FSDPTracker,
+    PlainTracker,
+    block_saved_bytes,
+    reset_tracker_peak,
+)
 from titan_kedro.train.documents import takes_document_ids
 from titan_kedro.train.fused_loss import (
     FusedOutputLoss,
@@ -115,32 +119,6 @@ class AssumedFinite(HostReads):
 
     def expert_load_stats(self, load: torch.Tensor) -> dict[str, Any]:
         return {}
-
-
-class _PeakWhere:
-    """Mixin for the trackers: remember the module and phase of each new global peak."""
-
-    peak_at: dict[str, str]
-
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        before = dict(self._peak_mem)  # type: ignore[attr-defined]
-        super()._update_peak_stats(peak_state)  # type: ignore[misc]
-        if self._peak_mem != before:  # type: ignore[attr-defined]
-            tracker = self._mod_tracker  # type: ignore[attr-defined]
-            parents = [p for p in tracker.parents if p != "Global"]
-            phase = "optimizer" if self._in_opt else ("backward" if tracker.is_bw else "forward")  # type: ignore[attr-defined]
-            self.peak_at = {
-                "module": max(parents, key=len, default="(outside modules: loss, hooks)"),
-                "phase": phase,
-            }
-
-
-class _FSDPTracker(_PeakWhere, FSDPMemTracker):
-    pass
-
-
-class _PlainTracker(_PeakWhere, MemTracker):
-    pass
 
 
 def fake_model(model: nn.Module) -> nn.Module:
@@ -240,9 +218,9 @@ def measure_step(
         optimizers = spec.build_optimizers_fn([model], cfg)
         tracker: Any
         if isinstance(model, FSDPModule):
-            tracker = _FSDPTracker(model, optimizers.optimizers[0])
+            tracker = FSDPTracker(model, optimizers.optimizers[0])
         else:
-            tracker = _PlainTracker()
+            tracker = PlainTracker()
             tracker.track_external(model, *optimizers.optimizers)
         roofline = RooflineCounter(peak_flops, bandwidth)
         step = TrainStep(
@@ -268,7 +246,7 @@ def measure_step(
             with roofline:
                 step()
         snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
-        saved = _block_saved_bytes(tracker, model)
+        saved = block_saved_bytes(tracker, model)
         if not fake:  # the same step untracked, timed (for the roofline's ratio)
             start = time.perf_counter()
             step()
@@ -333,20 +311,6 @@ def _per_micro_batch(totals: RooflineTotals, micro_batches: int) -> RooflineTota
     )
 
 
-def reset_tracker_peak(tracker: Any) -> None:
-    """Start the tracker's peak afresh from what is allocated now (the optimizer state).
-
-    torch's ``MemTracker`` has no public way to reset its peak (only ``reset_mod_stats``
-    for the per-module figures), so this writes the two private attributes its own
-    ``__enter__`` initialises, ``_peak_mem`` and ``_peak_mem_snap``, the same way; the
-    only place that touches them (``tests/plan/test_fake_step.py`` fails if torch
-    renames them).
-    """
-    tracker._peak_mem_snap = tracker.get_tracker_snapshot()
-    tracker._peak_mem = {dev: snap["Total"] for dev, snap in tracker._peak_mem_snap.items()}
-    tracker.peak_at = {"module": "(none)", "phase": "(none)"}
-
-
 @contextmanager
 def _block_hooks(
     model: nn.Module, roofline: RooflineCounter, inputs_seen: dict[str, int]
@@ -370,32 +334,3 @@ def _block_hooks(
     finally:
         for handle in handles:
             handle.remove()
-
-
-def _block_saved_bytes(tracker: Any, model: nn.Module) -> dict[str, int]:
-    """Per block: tracked bytes after its forward minus before it (what backward keeps)."""
-    by_module = {module: name for name, module in model.layers.items()}
-    out: dict[str, int] = {}
-    for module, stats in tracker.memory_tracking.items():
-        name = by_module.get(module)
-        if name is None:
-            continue
-        snaps = {
-            getattr(state, "value", str(state)): snap for state, snap in stats.snapshots.items()
-        }
-        pre = snaps.get("Before Pre-Forward") or snaps.get("Pre-Forward")
-        post = snaps.get("After Post-Forward") or snaps.get("Post-Forward")
-        if not pre or not post:
-            continue
-        before = next(iter(pre[-1].values()))
-        after = next(iter(post[-1].values()))
-        out[name] = int(_activations(after) - _activations(before))
-    return out
-
-
-def _activations(snapshot: dict[Any, int]) -> int:
-    return sum(
-        value
-        for kind, value in snapshot.items()
-        if kind != "Total" and getattr(kind, "value", "") == "Activation"
-    )
