@@ -10,9 +10,19 @@ steady-state one: its peak, the parts at that peak, where it happened (module an
 phase), the bytes each block keeps for backward, and FLOPs / roofline seconds from
 ``RooflineCounter``.
 
-Values the step reads (MoE token counts) come from ``KnownValues``: routing is assumed
-balanced. Nothing is computed for real and nothing touches a GPU: a CUDA plan runs the
-same step on the CPU in the GPU's compute dtype (see ``planner.cuda_corrections``).
+The step is the trainer's own ``train/step.TrainStep`` (nothing copied): built from the
+plan's model, loss, optimizers and LR schedulers, on the CPU, with a batch source of
+random tokens. It runs ``min(grad_accum_steps, MEASURED_MICRO_BATCHES)`` micro-batches:
+the second one runs with the first one's gradients held, as every later one does, so the
+peak is the accumulating step's; the roofline totals are reported per micro-batch (the
+planner scales them by ``grad_accum_steps``).
+
+Values the step reads: MoE token counts come from ``KnownValues`` (routing is assumed
+balanced); the scalars it reports and checks (loss, gradient norm) and the expert-load
+statistics come from ``AssumedFinite`` (a fake step has no values: they are assumed
+finite and not reported). Nothing is computed for real and nothing touches a GPU: a
+CUDA plan runs the same step on the CPU in the GPU's compute dtype (see
+``planner.cuda_corrections``).
 """
 
 from __future__ import annotations
@@ -26,21 +36,25 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 
 from titan_kedro.models.parallel import autocast_dtype
 from titan_kedro.plan.known_values import KnownValues
 from titan_kedro.plan.roofline import RooflineCounter, RooflineTotals
-from titan_kedro.train.documents import document_inputs, takes_document_ids
+from titan_kedro.plan.trackers import (
+    FSDPTracker,
+    PlainTracker,
+    block_saved_bytes,
+    reset_tracker_peak,
+)
+from titan_kedro.train.documents import takes_document_ids
 from titan_kedro.train.fused_loss import (
     FusedOutputLoss,
     defer_output_projection,
     separate_chunk_buffers,
     uses_fused_loss,
 )
-from titan_kedro.train.grad_clip import clip_grad_norm_
+from titan_kedro.train.step import HostReads, TrainStep
 from titan_kedro.train.trainer import build_model
 
 PART_NAMES = {
@@ -61,6 +75,10 @@ PART_NAMES = {
     "Other": "other",
 }
 """The trackers' categories, by the names the plan prints."""
+
+MEASURED_MICRO_BATCHES = 2
+"""Micro-batches the measured step runs at most: the first allocates the gradients, the
+second accumulates into them (the steady state of every later one)."""
 
 FAKE_BOS_ID = 0
 """Token id that starts documents in the fake batch (its values are random: the masks
@@ -88,30 +106,19 @@ class StepMeasurement:
     """Wall seconds of the same step run untracked (real runs only)."""
 
 
-class _PeakWhere:
-    """Mixin for the trackers: remember the module and phase of each new global peak."""
+class AssumedFinite(HostReads):
+    """The step's value reads in a fake step, where tensors have no values.
 
-    peak_at: dict[str, str]
+    Scalars (loss, gradient norm, auxiliary losses) read as ``0.0``: finite, so the step
+    goes on to the optimizer as a healthy real step does (the plan measures memory and
+    work, not values); expert-load statistics are not computed (no metrics).
+    """
 
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        before = dict(self._peak_mem)  # type: ignore[attr-defined]
-        super()._update_peak_stats(peak_state)  # type: ignore[misc]
-        if self._peak_mem != before:  # type: ignore[attr-defined]
-            tracker = self._mod_tracker  # type: ignore[attr-defined]
-            parents = [p for p in tracker.parents if p != "Global"]
-            phase = "optimizer" if self._in_opt else ("backward" if tracker.is_bw else "forward")  # type: ignore[attr-defined]
-            self.peak_at = {
-                "module": max(parents, key=len, default="(outside modules: loss, hooks)"),
-                "phase": phase,
-            }
+    def scalar(self, value: torch.Tensor) -> float:
+        return 0.0
 
-
-class _FSDPTracker(_PeakWhere, FSDPMemTracker):
-    pass
-
-
-class _PlainTracker(_PeakWhere, MemTracker):
-    pass
+    def expert_load_stats(self, load: torch.Tensor) -> dict[str, Any]:
+        return {}
 
 
 def fake_model(model: nn.Module) -> nn.Module:
@@ -185,6 +192,8 @@ def measure_step(
         if checkpointed is None
         else with_checkpointed(resolved.config, checkpointed)
     )
+    micro_batches = min(cfg.grad_accum_steps, MEASURED_MICRO_BATCHES)
+    cfg = with_micro_batches(cfg, micro_batches)
     if fake:
         with torch.device("meta"):
             model = spec.build_model(resolved.model_args)
@@ -209,27 +218,39 @@ def measure_step(
         optimizers = spec.build_optimizers_fn([model], cfg)
         tracker: Any
         if isinstance(model, FSDPModule):
-            tracker = _FSDPTracker(model, optimizers.optimizers[0])
+            tracker = FSDPTracker(model, optimizers.optimizers[0])
         else:
-            tracker = _PlainTracker()
+            tracker = PlainTracker()
             tracker.track_external(model, *optimizers.optimizers)
         roofline = RooflineCounter(peak_flops, bandwidth)
+        step = TrainStep(
+            [model],
+            loss_fn,
+            optimizers,
+            spec.build_lr_schedulers_fn(optimizers, cfg),
+            cfg,
+            torch.device("cpu"),  # fake or real, the plan's tensors live on the CPU
+            parallel_dims.dp_mesh.get_group(),
+            parallel_dims.dp_degree,
+            _random_batches(vocab, batch, seq, between=tracker.reset_mod_stats),
+            FAKE_BOS_ID if masking else None,
+            autocast,
+            reads=AssumedFinite() if fake else HostReads(),
+        )
         inputs_seen: dict[str, int] = {}
         values = KnownValues() if fake else nullcontext()
         with tracker, values, _block_hooks(model, roofline, inputs_seen):
             _create_optimizer_state(model, optimizers)
             tracker.reset_mod_stats()
-            _reset_peak(tracker)
-            tokens = torch.randint(0, vocab, (batch, seq))
-            extra = document_inputs(tokens, FAKE_BOS_ID if masking else None)
+            reset_tracker_peak(tracker)
             with roofline:
-                _train_step(model, loss_fn, optimizers, tokens, extra=extra, autocast=autocast)
+                step()
+        snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        saved = block_saved_bytes(tracker, model)
         if not fake:  # the same step untracked, timed (for the roofline's ratio)
             start = time.perf_counter()
-            _train_step(model, loss_fn, optimizers, tokens, extra=extra, autocast=autocast)
-            timed_s = time.perf_counter() - start
-        snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
-        saved = _block_saved_bytes(tracker, model)
+            step()
+            timed_s = (time.perf_counter() - start) / micro_batches
     parts: dict[str, int] = {}
     for kind, value in snapshot.items():
         if kind == "Total":
@@ -242,40 +263,52 @@ def measure_step(
         peak_at=dict(tracker.peak_at),
         block_saved_bytes=saved,
         block_input_bytes=inputs_seen,
-        roofline=roofline.totals,
+        roofline=_per_micro_batch(roofline.totals, micro_batches),
         checkpointed=wrapped,
         real_step_s=timed_s,
     )
 
 
-def _train_step(
-    model: nn.Module,
-    loss_fn: Any,
-    optimizers: Any,
-    tokens: torch.Tensor,
-    *,
-    extra: dict[str, torch.Tensor],
-    autocast: torch.dtype | None,
-) -> None:
-    """The trainer's step on one micro-batch: forward, loss, backward, norms, update."""
-    with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-        loss = loss_fn(model(tokens, **extra), tokens)
-    if hasattr(model, "moe_aux_loss"):
-        loss = loss + model.moe_aux_loss()
-    loss.backward()
-    params = [p for p in model.parameters() if p.requires_grad]
-    # Norms only: the clip is an in-place multiply whose condition reads the norm's
-    # value, which a fake step does not have.
-    clip_grad_norm_(params, 0.0)
-    optimizers.step()
-    optimizers.zero_grad()
+def with_micro_batches(job_config: Any, micro_batches: int) -> Any:
+    """A copy of ``job_config`` whose step accumulates ``micro_batches`` micro-batches."""
+    if job_config.grad_accum_steps == micro_batches:
+        return job_config
+    samples = job_config.training.local_batch_size * job_config.dp_degree * micro_batches
+    training = job_config.training.model_copy(update={"global_batch_size": samples})
+    return job_config.model_copy(update={"training": training})
 
 
-def _reset_peak(tracker: Any) -> None:
-    """Start the peak afresh from what is allocated now (the optimizer state)."""
-    tracker._peak_mem_snap = tracker.get_tracker_snapshot()
-    tracker._peak_mem = {dev: snap["Total"] for dev, snap in tracker._peak_mem_snap.items()}
-    tracker.peak_at = {"module": "(none)", "phase": "(none)"}
+def _random_batches(vocab: int, batch: int, seq: int, *, between: Any) -> Any:
+    """The step's batch source: random tokens, the same tensor as inputs and labels.
+
+    ``between`` runs before every micro-batch after a step's first: the trackers refuse a
+    module's second forward unless their per-module stats are reset
+    (``reset_mod_stats``), so the block figures are the last micro-batch's.
+    """
+    drawn = 0
+
+    def batches() -> tuple[torch.Tensor, torch.Tensor]:
+        nonlocal drawn
+        if drawn:
+            between()
+        drawn += 1
+        tokens = torch.randint(0, vocab, (batch, seq))
+        return tokens, tokens
+
+    return batches
+
+
+def _per_micro_batch(totals: RooflineTotals, micro_batches: int) -> RooflineTotals:
+    """The roofline of a step of ``micro_batches`` as the mean per micro-batch (the
+    clipping and optimizer share spread over them)."""
+    if micro_batches == 1:
+        return totals
+    return RooflineTotals(
+        flops=totals.flops / micro_batches,
+        bytes=totals.bytes / micro_batches,
+        time_s=totals.time_s / micro_batches,
+        by_block={name: s / micro_batches for name, s in totals.by_block.items()},
+    )
 
 
 @contextmanager
@@ -301,32 +334,3 @@ def _block_hooks(
     finally:
         for handle in handles:
             handle.remove()
-
-
-def _block_saved_bytes(tracker: Any, model: nn.Module) -> dict[str, int]:
-    """Per block: tracked bytes after its forward minus before it (what backward keeps)."""
-    by_module = {module: name for name, module in model.layers.items()}
-    out: dict[str, int] = {}
-    for module, stats in tracker.memory_tracking.items():
-        name = by_module.get(module)
-        if name is None:
-            continue
-        snaps = {
-            getattr(state, "value", str(state)): snap for state, snap in stats.snapshots.items()
-        }
-        pre = snaps.get("Before Pre-Forward") or snaps.get("Pre-Forward")
-        post = snaps.get("After Post-Forward") or snaps.get("Post-Forward")
-        if not pre or not post:
-            continue
-        before = next(iter(pre[-1].values()))
-        after = next(iter(post[-1].values()))
-        out[name] = int(_activations(after) - _activations(before))
-    return out
-
-
-def _activations(snapshot: dict[Any, int]) -> int:
-    return sum(
-        value
-        for kind, value in snapshot.items()
-        if kind != "Total" and getattr(kind, "value", "") == "Activation"
-    )

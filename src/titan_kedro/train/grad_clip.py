@@ -6,8 +6,10 @@ shard is held by several replicas. Every rank sums ``|g|^p`` over its local shar
 shard weighted by ``1 / (copies of that shard in the world)`` (``world / product of the
 mesh sizes of its Shard dims``; plain tensors count as replicated on every rank), and a
 single all-reduce over the whole world (the flattened mesh) gives ``Σ |g|^p`` over the
-full gradients (max for the inf norm). Clipping then scales the local shards in place,
-so no DTensor dispatch (and no DTensor warning about mixing meshes) is involved.
+full gradients (max for the inf norm). Clipping then scales the local shards in place
+by ``min(1, max_norm / (norm + 1e-6))`` (1 for a non-finite norm) without reading the
+norm on the host, so no DTensor dispatch (and no DTensor warning about mixing meshes) is
+involved, and the same code runs on the plan's fake tensors.
 """
 
 from __future__ import annotations
@@ -81,8 +83,11 @@ def clip_grad_norm_(
         dist.all_reduce(total, op=op)
     if not math.isinf(norm_type):
         total = total.pow(1.0 / norm_type)
-    if max_norm > 0 and torch.isfinite(total):
+    if max_norm > 0:
+        # Value-free, like torch's own clip_grad_norm_ (no host read, so it also runs on
+        # fake tensors): multiply by min(1, max_norm / norm); by 1 when the norm is not finite.
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
         local_grads = [g for group in by_copies.values() for g in group]
         if foreach is not False:
             torch._foreach_mul_(local_grads, coef)

@@ -1,20 +1,16 @@
-"""The training loop run by every torchrun worker.
+"""The training loop run by every torchrun worker: the ``Trainer`` builds a worker's model,
+data, optimizers, checkpointing and metrics, then loops over optimizer steps.
 
-Per optimizer step: ``grad_accum_steps`` micro-batches (forward, cross-entropy + MoE
-auxiliary loss + weighted multi-token-prediction loss (``mtp.py``), backward of loss / accumulation), gradient clipping by the global norm,
-a check that loss and norm are finite, the optimizer and LR-schedule steps, then the
-MoE bias update from the expert load summed over data-parallel ranks. Metrics (rank 0),
-validation and checkpoints follow at their configured intervals.
+The step itself (micro-batches, clipping, finite check, optimizer, MoE bias) is
+``step.TrainStep``, which the plan measures too; the state plumbing (restored counters,
+batch source, per-rank and healing state, ``summary.json``) is ``run_state.py``. Metrics
+(rank 0), validation and checkpoints follow each step at their configured intervals.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,55 +24,34 @@ from titan_kedro.ft.identity import data_shard, restarted_group
 from titan_kedro.models.parallel import autocast_dtype, training_dtypes
 from titan_kedro.models.resolve import ResolvedJob
 from titan_kedro.tracking.mlflow_logger import MlflowMetricsSink
-from titan_kedro.train.checkpoint.manager import (
-    CheckpointManager,
-    ModelState,
-    rng_state,
-    set_rng_state,
-)
+from titan_kedro.train.checkpoint.manager import CheckpointManager, ModelState
 from titan_kedro.train.device import env_int, init_process_group, resolve_device, set_cpu_threads
-from titan_kedro.train.documents import document_inputs, masking_bos_id
+from titan_kedro.train.documents import masking_bos_id
 from titan_kedro.train.faults import maybe_crash
 from titan_kedro.train.fused_loss import (
     FusedOutputLoss,
     defer_output_projection,
     uses_fused_loss,
 )
-from titan_kedro.train.grad_clip import clip_grad_norm_
 from titan_kedro.train.hf_init import load_hf_weights
-from titan_kedro.train.metrics import (
-    MetricsLogger,
-    expert_load_stats,
-    memory_metrics,
-    peak_tflops,
-)
-from titan_kedro.train.mtp import mtp_loss, mtp_loss_weight
+from titan_kedro.train.metrics import MetricsLogger, memory_metrics, peak_tflops
 from titan_kedro.train.parallel_dims import ParallelDims
 from titan_kedro.train.run_identity import checkpoint_metadata
+from titan_kedro.train.run_state import (
+    TrainBatches,
+    TrainState,
+    live_state,
+    load_live_state,
+    per_rank_state,
+    restore_per_rank,
+    write_summary,
+)
+from titan_kedro.train.step import NonFiniteLossError, TrainStep
 from titan_kedro.train.validation import capped_batches, mean_loss, perplexity
 
+__all__ = ["NonFiniteLossError", "TrainState", "Trainer", "build_model", "write_summary"]
+
 logger = logging.getLogger(__name__)
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss or gradient norm became NaN/inf; training stopped before the bad update."""
-
-
-@dataclass
-class TrainState(Stateful):
-    """Counters that a checkpoint restores."""
-
-    step: int = 0
-    tokens_seen: int = 0
-    last_loss: float = float("nan")
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "last_loss": self.last_loss}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.step = int(state_dict["step"])
-        self.tokens_seen = int(state_dict["tokens_seen"])
-        self.last_loss = float(state_dict["last_loss"])
 
 
 def build_model(spec: Any, model_args: Any, seed: int, device: torch.device) -> nn.Module:
@@ -104,6 +79,48 @@ class Trainer:
         self.cfg = cfg = resolved.config
         self.spec = resolved.spec
         self.model_args = resolved.model_args
+        self._init_process()
+        self.parallel_dims = ParallelDims.from_config(cfg, self.world_size, self.device)
+        self.parallel_dims.build_mesh()
+        self.dp_group = self.parallel_dims.dp_mesh.get_group()
+        self._build_model()
+        self.model_parts = [self.model]
+        self.optimizers = self.spec.build_optimizers_fn(self.model_parts, cfg)
+        self.lr_schedulers = self.spec.build_lr_schedulers_fn(self.optimizers, cfg)
+        # Different per rank so any sampling differs across ranks; restored on resume.
+        torch.manual_seed(cfg.job.seed + 1 + self.rank)
+        self._build_data()
+        self.state = TrainState()
+        self.stateful: dict[str, Stateful] = {
+            "model": ModelState(self.model_parts),
+            "optimizer": self.optimizers,
+            "lr_scheduler": self.lr_schedulers,
+            "train_state": self.state,
+        }
+        self._build_checkpointing()
+        self._build_throughput()
+        self._build_metrics()
+        self.ft = self._build_ft()  # the other replica groups, after the logger
+        self.step_fn = TrainStep(
+            self.model_parts,
+            self.loss_fn,
+            self.optimizers,
+            self.lr_schedulers,
+            cfg,
+            self.device,
+            self.dp_group,
+            self.parallel_dims.dp_degree,
+            self.batches,
+            self.document_bos,
+            self.autocast_dtype,
+            ft=self.ft,
+            mark_data=self.batches.mark,
+            failure_context=lambda: (self.state.step, self.checkpointer.last_saved),
+        )
+
+    def _init_process(self) -> None:
+        """Device, process group, world-size check, CPU threads, determinism."""
+        cfg = self.cfg
         self.device = resolve_device(cfg.training.device, env_int("LOCAL_RANK", 0))
         init_process_group(self.device)
         self.rank = dist.get_rank()
@@ -121,10 +138,9 @@ class Trainer:
             logger.info("CPU threads per worker: %d", threads)
         torch.use_deterministic_algorithms(cfg.training.deterministic, warn_only=True)
 
-        self.parallel_dims = ParallelDims.from_config(cfg, self.world_size, self.device)
-        self.parallel_dims.build_mesh()
-        self.dp_group = self.parallel_dims.dp_mesh.get_group()
-
+    def _build_model(self) -> None:
+        """The initialised model, its loss (fused or not), document masking, then sharding."""
+        cfg = self.cfg
         model = build_model(self.spec, self.model_args, cfg.job.seed, self.device)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.loss_fn = self.spec.build_loss_fn(cfg)
@@ -144,15 +160,13 @@ class Trainer:
         self.model.train()
         # Mixed precision once: by FSDP's policy when sharded, else by autocast (one rank).
         self.autocast_dtype = autocast_dtype(self.model, cfg, self.device)
-        self.model_parts = [self.model]
-        self.optimizers = self.spec.build_optimizers_fn(self.model_parts, cfg)
-        self.lr_schedulers = self.spec.build_lr_schedulers_fn(self.optimizers, cfg)
-        # Different per rank so any sampling differs across ranks; restored on resume.
-        torch.manual_seed(cfg.job.seed + 1 + self.rank)
 
+    def _build_data(self) -> None:
+        """The training batches (this rank's share) and the held-out split."""
         from titan_kedro.data.loader import TokenLoader
         from titan_kedro.data.token_store import open_split
 
+        cfg = self.cfg
         self._token_loader_cls = TokenLoader
         # With replica groups, each group reads its own share of the global order.
         data_rank, data_degree = data_shard(
@@ -167,7 +181,7 @@ class Trainer:
             seed=cfg.job.seed,
             name="train",
         )
-        self._train_iter = iter(self.train_loader)
+        self.batches = TrainBatches(self.train_loader, self.device)
         self.val_tokens = None
         if cfg.validation.freq:
             self.val_tokens = open_split(cfg.data.token_dir, "validation")
@@ -178,17 +192,13 @@ class Trainer:
                 "validation.steps",
             )
 
-        self.state = TrainState()
-        self.stateful: dict[str, Stateful] = {
-            "model": ModelState(self.model_parts),
-            "optimizer": self.optimizers,
-            "lr_scheduler": self.lr_schedulers,
-            "train_state": self.state,
-        }
+    def _build_checkpointing(self) -> None:
+        """The checkpoint manager, then a resume (or the initial HF weights of a fresh run)."""
+        cfg = self.cfg
         self.checkpointer = CheckpointManager(
             cfg.checkpoint.folder,
             self.stateful,
-            per_rank_state=self._per_rank_state,
+            per_rank_state=lambda: per_rank_state(self.batches),
             restore_per_rank=self._restore_per_rank,
             keep_latest_k=cfg.checkpoint.keep_latest_k,
             enable=cfg.checkpoint.enable,
@@ -206,13 +216,23 @@ class Trainer:
                 self.model_parts, self.spec, self.model_args, cfg.checkpoint.initial_load_hf
             )
 
-        seq_len = cfg.training.seq_len
+    def _restore_per_rank(self, state: dict[str, Any], same_world: bool = True) -> None:
+        reseed = self.cfg.job.seed + 1 + self.rank
+        restore_per_rank(self.batches, state, same_world=same_world, reseed=reseed)
+
+    def _build_throughput(self) -> None:
+        """FLOPs per token and tokens per step, for the throughput metrics."""
+        cfg, seq_len = self.cfg, self.cfg.training.seq_len
         flops = self.spec.flops_per_token
         self.flops_per_token = (
             float(flops(self.model_args, seq_len)) if flops else 6.0 * self.n_params
         )
         self.tokens_per_step_local = cfg.training.local_batch_size * seq_len * cfg.grad_accum_steps
         self.tokens_per_step_global = cfg.global_batch_size * seq_len
+
+    def _build_metrics(self) -> None:
+        """Rank 0's metrics logger and the device's peak TFLOP/s (others log nothing)."""
+        cfg = self.cfg
         self.metrics: MetricsLogger | None = None
         self.peak_tflops = 0.0
         if self.rank == 0:
@@ -226,135 +246,29 @@ class Trainer:
                 append=self.resumed_from is not None or restarted_group(),
                 run_id=cfg.job.run_id,
             )
-        self.ft = None  # the other replica groups (fault_tolerance.enable), after the logger
-        if cfg.fault_tolerance.enable:
-            from titan_kedro.ft.replica import ReplicaGroupFT
 
-            self.ft = ReplicaGroupFT(
-                cfg,
-                self.device,
-                group_rank=self.rank,
-                state_dict=self._live_state,
-                load_state_dict=self._load_live_state,
-                start_step=self.state.step,
-            )
+    def _build_ft(self) -> Any:
+        """The replica groups' seam when ``fault_tolerance.enable``, else None."""
+        if not self.cfg.fault_tolerance.enable:
+            return None
+        from titan_kedro.ft.replica import ReplicaGroupFT
 
-    def _live_state(self) -> dict[str, Any]:
-        """What a restarted replica group receives from a live one (no RNG: it is per rank)."""
-        state = {name: obj.state_dict() for name, obj in self.stateful.items()}
-        return {**state, "dataloader": self.train_loader.state_dict()}
-
-    def _load_live_state(self, state: dict[str, Any]) -> None:
-        for name, obj in self.stateful.items():
-            obj.load_state_dict(state[name])
-        self.train_loader.load_state_dict(state["dataloader"])
-        self._train_iter = iter(self.train_loader)
-
-    def _per_rank_state(self) -> dict[str, Any]:
-        return {"dataloader": self.train_loader.state_dict(), "rng": rng_state()}
-
-    def _restore_per_rank(self, state: dict[str, Any], same_world: bool = True) -> None:
-        self.train_loader.load_state_dict(state["dataloader"])  # a global position
-        self._train_iter = iter(self.train_loader)
-        if same_world:
-            set_rng_state(state["rng"])
-        else:
-            torch.manual_seed(self.cfg.job.seed + 1 + self.rank)
-
-    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, labels = next(self._train_iter)
-        return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+        return ReplicaGroupFT(
+            self.cfg,
+            self.device,
+            group_rank=self.rank,
+            state_dict=lambda: live_state(self.stateful, self.batches),
+            load_state_dict=lambda state: load_live_state(self.stateful, self.batches, state),
+            start_step=self.state.step,
+        )
 
     def mixed_precision(self) -> torch.autocast:
         """Autocast to ``autocast_dtype`` for forward passes (disabled when None)."""
-        dtype = self.autocast_dtype
-        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
-
-    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
-        value = value.detach().clone().float()
-        dist.all_reduce(value, group=self.dp_group)
-        value = value / self.parallel_dims.dp_degree
-        return value if self.ft is None else self.ft.replica_mean(value)
+        return self.step_fn.mixed_precision()
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over ``grad_accum_steps`` micro-batches; returns its metrics."""
-        model = self.model
-        accum = self.cfg.grad_accum_steps
-        if self.ft is not None:  # the quorum (and healing) before any batch is drawn
-            self.ft.begin_step()
-            data_at_start = self.train_loader.state_dict()
-        has_moe = hasattr(model, "expert_load")
-        if has_moe:
-            model.reset_expert_load()
-        self.optimizers.zero_grad()
-        data_time = 0.0
-        ce_sum = torch.zeros((), device=self.device)
-        aux_sum = torch.zeros((), device=self.device)
-        mtp_sum = torch.zeros((), device=self.device)
-        has_mtp = False
-        for _ in range(accum):
-            start = time.perf_counter()
-            inputs, labels = self._next_batch()
-            data_time += time.perf_counter() - start
-            with self.mixed_precision():
-                output = model(inputs, **document_inputs(inputs, self.document_bos))
-                ce = self.loss_fn(output, labels)
-                mtp = mtp_loss(model, self.loss_fn, labels)
-            loss = ce
-            if mtp is not None:
-                has_mtp = True
-                loss = loss + mtp_loss_weight(self.cfg) * mtp
-                mtp_sum += mtp.detach().float()
-            if hasattr(model, "moe_aux_loss"):
-                aux = model.moe_aux_loss()
-                loss = loss + aux
-                aux_sum += aux.detach().float()
-            (loss / accum).backward()
-            ce_sum += ce.detach().float()
-        params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
-        if self.ft is not None:
-            self.ft.average_gradients(params)
-        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm)
-        loss_value = float(self._dp_mean(ce_sum / accum))
-        if not (math.isfinite(loss_value) and math.isfinite(float(grad_norm))):
-            last = self.checkpointer.last_saved
-            raise NonFiniteLossError(
-                f"non-finite {'loss' if not math.isfinite(loss_value) else 'gradient norm'} at "
-                f"step {self.state.step + 1} (loss={loss_value}, grad_norm={float(grad_norm)}); "
-                f"no update was applied. Last good checkpoint: {last or 'none'} (it stays the "
-                "latest; lower optimizer.lr or raise lr_scheduler.warmup_steps and resume)"
-            )
-        lr = self.optimizers.param_groups[0]["lr"]
-        # Every reduction happens before the commit vote, so all groups run the same ones.
-        aux_value = (
-            float(self._dp_mean(aux_sum / accum)) if hasattr(model, "moe_aux_loss") else None
-        )
-        mtp_value = float(self._dp_mean(mtp_sum / accum)) if has_mtp else None
-        if has_moe:
-            load = model.expert_load().detach().float().to(self.device)
-            dist.all_reduce(load, group=self.dp_group)
-            if self.ft is not None:
-                self.ft.replica_sum(load)
-        if self.ft is not None and not self.ft.should_commit():
-            self.train_loader.load_state_dict(data_at_start)  # the retry reads the same batch
-            self._train_iter = iter(self.train_loader)
-            return {}
-        self.optimizers.step()
-        self.lr_schedulers.step()
-        metrics: dict[str, Any] = {
-            "loss": loss_value,
-            "grad_norm": float(grad_norm),
-            "lr": lr,
-            "data_time_s": data_time,
-        }
-        if mtp_value is not None:
-            metrics["mtp_loss"] = mtp_value
-        if aux_value is not None:
-            metrics["moe_aux_loss"] = aux_value
-        if has_moe:
-            model.update_expert_bias(load)
-            metrics.update(expert_load_stats(load))
-        return metrics
+        return self.step_fn()
 
     def _validation_loader(self) -> Any:
         cfg = self.cfg
@@ -473,17 +387,3 @@ class Trainer:
             self.ft.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def write_summary(dump_folder: str | Path, summary: dict[str, Any]) -> Path:
-    """Write ``summary.json`` atomically (NaN becomes null)."""
-    path = Path(dump_folder) / "summary.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    clean = {
-        k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-        for k, v in summary.items()
-    }
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(clean, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
