@@ -20,6 +20,7 @@ from titan_kedro.plan import (
     check_plan_fits,
     format_plan,
     planner,
+    step_planner,
 )
 from titan_kedro.plan.checkpoint_choice import BlockCost, choose_recompute
 from titan_kedro.plan.real_check import measure_real
@@ -98,7 +99,7 @@ def test_extrapolated_plan_matches_a_full_fake_step(monkeypatch: pytest.MonkeyPa
     extended = _plan(**sections)
     assert extended["extrapolated"]["measured_blocks"] == 2
     assert {f["method"] for f in extended["figures"].values()} == {"fake_step_extrapolated"}
-    monkeypatch.setattr(planner, "FULL_STEP_MAX_BLOCKS", 100)
+    monkeypatch.setattr(step_planner, "FULL_STEP_MAX_BLOCKS", 100)
     full = _plan(**sections)
     assert full["extrapolated"] is None
     for kind in ("total", "activations", "params", "grads", "optimizer"):

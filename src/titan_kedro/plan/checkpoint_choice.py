@@ -6,7 +6,7 @@ seconds of its forward (what recomputing it costs). Recomputing block ``b`` free
 ``saved[b] - input[b]``; while one recomputed block is rebuilt in backward its
 activations are held again, so the choice must free the excess plus the largest
 rebuilt block. The solver is greedy: cheapest recompute per freed byte first. Its result
-is then checked by another fake step (``planner``), not trusted.
+is then checked by another fake step (``step_planner``), not trusted.
 """
 
 from __future__ import annotations

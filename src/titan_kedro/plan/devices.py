@@ -11,6 +11,9 @@ import torch
 
 from titan_kedro.train.metrics import gpu_peak_tflops, lookup_gpu, measure_matmul_tflops
 
+GIB = 1024**3
+"""Bytes per GiB (the plan's unit)."""
+
 GPU_MEMORY_GIB: dict[str, float] = {
     "H200": 141.0,
     "H100": 80.0,

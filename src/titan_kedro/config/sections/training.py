@@ -1,0 +1,113 @@
+"""Sections of the training step: training, optimizer, lr_scheduler, parallelism, fault_tolerance."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from titan_kedro.config.sections.base import Section
+
+
+class TrainingSection(Section):
+    steps: int = Field(200, gt=0)
+    """Optimizer steps to train for."""
+    seq_len: int = Field(256, gt=0)
+    """Tokens per sample (windows of ``seq_len + 1`` give inputs and shifted labels)."""
+    local_batch_size: int = Field(4, gt=0)
+    """Samples per device per micro-batch."""
+    global_batch_size: int | None = Field(None, gt=0)
+    """Samples per optimizer step over all data-parallel ranks; None = local × dp (no accumulation)."""
+    max_norm: float = Field(1.0, ge=0.0)
+    """Clip gradients to this global L2 norm; 0 disables clipping."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto`` picks CUDA + NCCL when GPUs exist, else CPU + gloo."""
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    """Compute dtype on GPU (CPU trains in float32): FSDP's gathered parameters, or the
+    autocast dtype on one rank, where the model is not sharded."""
+    mixed_precision_reduce: Literal["bfloat16", "float32"] = "float32"
+    """Gradient reduce-scatter dtype on GPU."""
+    mixed_precision_cpu: bool = False
+    """Also compute in ``mixed_precision_param`` on CPU (bf16 matmuls run ~3.5× faster than
+    fp32 on CPUs with AVX512-BF16/AMX; losses then differ from fp32 at the 1e-2 level)."""
+    fused_loss: bool = True
+    """With the default cross-entropy, apply the output projection inside the loss in token
+    chunks, never materialising the full ``tokens × vocab`` logits (same result, less memory)."""
+    activation_checkpoint: Literal["none", "selective", "full", "auto"] = "none"
+    """Recompute activations in backward: none, every other block (selective), every block
+    (full), or the blocks the plan chooses so the step fits ``plan.device_memory_gib`` with
+    the least recompute (auto; the training pipeline fills ``activation_checkpoint_blocks``)."""
+    activation_checkpoint_blocks: list[str] | None = None
+    """With ``activation_checkpoint: auto``, the ``model.layers`` keys to recompute; None lets
+    the plan choose (the training pipeline writes its choice here for the workers)."""
+    compile: bool = False
+    """``torch.compile`` each transformer block and the fused loss's per-chunk softmax."""
+    document_masking: bool = True
+    """Attend only within each document of a packed window (documents start at the token
+    metadata's ``bos_id``) and restart RoPE positions there."""
+    deterministic: bool = False
+    """Use deterministic algorithms (slower on GPU)."""
+    num_threads: int = Field(0, ge=0)
+    """CPU threads per worker; 0 = cores / local processes."""
+
+
+class OptimizerSection(Section):
+    name: Literal["AdamW"] = "AdamW"
+    """Optimizer class."""
+    lr: float = Field(8e-4, gt=0)
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam betas."""
+    eps: float = Field(1e-8, gt=0)
+    """Adam epsilon."""
+    weight_decay: float = Field(0.1, ge=0)
+    """Decoupled weight decay."""
+    no_decay_norm_bias_embed: bool = True
+    """Exempt norms, biases and embeddings from weight decay."""
+    implementation: Literal["fused", "foreach", "for-loop"] = "fused"
+    """AdamW kernel: ``fused`` (one pass per tensor, CPU and CUDA), ``foreach`` or ``for-loop``."""
+
+
+class LRSchedulerSection(Section):
+    warmup_steps: int = Field(10, ge=0)
+    """Linear warmup from ~0 to ``optimizer.lr``."""
+    decay_ratio: float | None = Field(None, ge=0.0, le=1.0)
+    """Share of steps spent decaying at the end; None = decay over all steps after warmup."""
+    decay_type: Literal["linear", "cosine", "sqrt"] = "cosine"
+    """Shape of the decay phase."""
+    min_lr: float = Field(0.0, ge=0.0)
+    """Learning rate reached at the last step."""
+
+
+class ParallelismSection(Section):
+    data_parallel_replicate_degree: int = Field(1, ge=1)
+    """HSDP replicas (pure data parallel, gradients all-reduced)."""
+    data_parallel_shard_degree: int = Field(-1, ge=-1)
+    """FSDP2 shard degree; -1 takes whatever the world size leaves."""
+
+
+class FaultToleranceSection(Section):
+    enable: bool = False
+    """Train as ``replica_groups`` independent torchrun groups that average gradients through
+    TorchFT every step, keep training when a group dies and heal a restarted group from a
+    live peer (``titan_kedro.ft``)."""
+    replica_groups: int = Field(1, ge=1)
+    """Number of replica groups G (at least 2 with ``enable``); each runs ``launch.nproc_per_node``
+    ranks that shard the model among themselves."""
+    min_replicas: int = Field(1, ge=1)
+    """Fewest live groups a step may commit with (at most ``replica_groups``)."""
+    lighthouse_address: str | None = None
+    """``http://host:port`` of a running TorchFT lighthouse; None: the launcher starts one on
+    127.0.0.1 for the run and stops it afterwards."""
+    quorum_timeout_s: float = Field(60.0, gt=0)
+    """How long a group waits for the lighthouse to form a step's quorum."""
+    join_timeout_s: float = Field(60.0, gt=0)
+    """How long the launcher's startup barrier waits for every group before step 1, and how
+    long the lighthouse waits for heartbeating stragglers before a new quorum."""
+    heartbeat_timeout_s: float = Field(5.0, gt=0)
+    """A group silent this long is dropped from the next quorum (the launcher's lighthouse)."""
+    step_timeout_s: float = Field(60.0, gt=0)
+    """Timeout of the cross-group collectives, the commit vote and the healing transfer."""
+    max_group_restarts: int = Field(3, ge=0)
+    """How often a dead group is restarted (per group) before the job fails: by the launcher
+    (``launch.scheduler: local``) or by the group's own torchrun (``local_cwd``)."""
