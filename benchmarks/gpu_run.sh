@@ -9,9 +9,16 @@
 # data pipeline or network is needed. Every figure comes from the worker's metrics.jsonl;
 # MFU is against the GPU's dense bf16 peak (titan_kedro.train.metrics.GPU_PEAK_BF16_TFLOPS,
 # e.g. 989 TFLOP/s for H100/H200). Without CUDA the script stops with an error.
+#
+# Then (FT=true, the default) fault-tolerant replica groups on CUDA: their collectives go
+# through NCCL, which refuses CPU tensors (TorchFT's Manager turns that into steps that are
+# never committed). One GPU holds one NCCL rank per communicator ("Duplicate GPU
+# detected"), so on one GPU a group runs alone in its quorum over TorchFT's real
+# ProcessGroupNCCL and Manager (tests/ft/test_replica_device.py, its cuda case).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's code, not an install's
 PYTHON="${PYTHON:-.venv/bin/python}"
 N_LAYERS="${N_LAYERS:-6}"
 SEQ_LEN="${SEQ_LEN:-4096}"
@@ -20,6 +27,7 @@ STEPS="${STEPS:-20}"
 WARMUP="${WARMUP:-5}"          # steps left out of the averages (allocator, autotuning)
 COMPILE="${COMPILE:-false}"
 AC="${AC:-none}"               # activation checkpointing: none | selective | full
+FT="${FT:-true}"               # also check the replica groups' collectives on NCCL
 OUT="${OUT:-$(mktemp -d -t titan-gpu-run-XXXXXX)}"
 
 if ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
@@ -112,3 +120,8 @@ print(json.dumps({"tps": round(tps, 1), "planned_gib": planned, "allocated_gib":
                   "memory_gib": round(mem, 2), "n_layers": n_layers, "seq_len": seq_len,
                   "batch": batch}))
 PY
+
+if [ "$FT" = true ]; then
+    echo "fault tolerance: replica-group collectives on NCCL (one group, TorchFT Manager)"
+    "$PYTHON" -m pytest -q -p no:cacheprovider -rs "tests/ft/test_replica_device.py" -k cuda
+fi

@@ -88,6 +88,33 @@ def test_nan_stops_with_last_good_checkpoint_kept(tmp_path: Path, token_dir: Pat
     assert [s for s, _ in list_checkpoints(tmp_path / "ckpt")] == [2]
 
 
+def test_a_run_stopped_early_validates_and_logs_its_last_step(
+    tmp_path: Path, token_dir: Path
+) -> None:
+    # Step 3 is neither a validation step (freq 4), a log step (freq 5) nor training.steps;
+    # it is the last step of this run (stop_at), so its validation and metrics row happen.
+    raw = tiny_job(
+        tmp_path,
+        token_dir,
+        training={"steps": 6},
+        validation={"freq": 4, "steps": 2},
+        metrics={"log_freq": 5},
+    )
+    first = _run(raw, stop_at=3)
+    assert first["final_step"] == 3 and first["checkpoint_dir"].endswith("step-3")
+    rows = read_metrics(tmp_path / "job")
+    assert [r["step"] for r in rows] == [3]
+    assert rows[0]["val_loss"] > 0 and "tps" in rows[0]
+    _run({**raw, "checkpoint": {**raw["checkpoint"], "resume": "latest"}})
+    rows = read_metrics(tmp_path / "job")
+    assert [(r["step"], "val_loss" in r) for r in rows] == [
+        (3, True),
+        (4, True),
+        (5, False),
+        (6, True),
+    ]
+
+
 PEAK_TFLOPS = 0.25
 # TinyArgs: dim 32, 2 layers, vocab 512; seq_len 32 → 6·(layers·(12·dim² + 2·seq·dim) + dim·vocab)
 TINY_FLOPS_PER_TOKEN = 6.0 * (2 * (12 * 32 * 32 + 2 * 32 * 32) + 32 * 512)

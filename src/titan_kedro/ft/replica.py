@@ -139,11 +139,13 @@ class ReplicaGroupFT:
         self.samples_per_group_step = (
             cfg.launch.world_size * cfg.training.local_batch_size * cfg.grad_accum_steps
         )
+        self.device = device
+        """Where every tensor of a cross-group collective lives (NCCL refuses CPU tensors)."""
         self._user_state = state_dict
         self._user_load = load_state_dict
         self._heal_started: float | None = None
         self.heal_s = 0.0
-        self._heal_report = torch.zeros(2)
+        self._heal_report = torch.zeros(2, device=device)
         # A restarted group's first quorum must include a live peer (it has nothing to train from).
         self._needs_peer = self.identity.attempt > 0
         self.skipped_samples = 0
@@ -234,6 +236,7 @@ class ReplicaGroupFT:
         return self.identity.replica_id == 0 and self.identity.attempt == 0
 
     def _allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
+        """The one entry of every cross-group reduction; ``tensor`` must be on ``device``."""
         self.manager.allreduce(tensor, reduce_op=op).wait()
         return tensor
 
@@ -265,7 +268,8 @@ class ReplicaGroupFT:
         """The step's vote; True means step the optimizer (and count the skipped batches)."""
         # Every participating group runs this reduction whatever its vote, so the
         # collectives stay matched; the leader learns of a heal in another group.
-        self._heal_report = self.replica_sum(torch.tensor([self.heal_s, float(self.heal_s > 0)]))
+        report = torch.tensor([self.heal_s, float(self.heal_s > 0)], device=self.device)
+        self._heal_report = self.replica_sum(report)
         committed = self.manager.should_commit()
         if committed:
             self.skipped_samples += (self.groups - self.participants) * self.samples_per_group_step
@@ -284,15 +288,15 @@ class ReplicaGroupFT:
         ``ft/heal_s`` is the mean healing time of the groups that healed this step (absent
         when none did), ``ft/healed_groups`` their number.
         """
-        heal = self._heal_report
+        heal_s, healed = self._heal_report.tolist()  # one read (a sync on CUDA)
         metrics = {
             "ft/participants": float(self.participants),
             "ft/quorum_id": float(self.quorum_id),
             "ft/skipped_samples": float(self.skipped_samples),
         }
-        if heal[1] > 0:
-            metrics["ft/heal_s"] = float(heal[0] / heal[1])
-            metrics["ft/healed_groups"] = float(heal[1])
+        if healed > 0:
+            metrics["ft/heal_s"] = heal_s / healed
+            metrics["ft/healed_groups"] = healed
         return metrics
 
     def write_state_digest(self, folder: str | Path, group_rank: int, step: int) -> Path:

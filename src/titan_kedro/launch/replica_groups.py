@@ -6,11 +6,12 @@ process on 127.0.0.1 (``ft.lighthouse``), then every group's torchrun
 with ``TITAN_KEDRO_REPLICA_ID``, ``TITAN_KEDRO_GROUP_ATTEMPT`` and the lighthouses'
 addresses (``replica_group_services``). Output is streamed with a ``[group g]`` prefix.
 A group that dies is restarted (attempt +1, up to ``fault_tolerance.max_group_restarts``)
-while another group still trains, and heals from it; when every group has finished, the
-job is done. On any way out (success, failure, Ctrl-C, ``launch.timeout_s``) every
-group's process tree and the lighthouses are stopped. This process holds the run
-folder's lock (``train.run_lock``) for the whole job, since the groups share it; each
-group's torchrun ends with this process.
+while another group still trains, and heals from it; when every group has finished (exit
+code 0), the job is done. A non-zero exit is never a finish: once another group has
+finished, it fails the job (nothing is left to restart it for). On any way out (success,
+failure, Ctrl-C, ``launch.timeout_s``) every group's process tree and the lighthouses
+are stopped. This process holds the run folder's lock (``train.run_lock``) for the whole
+job, since the groups share it; each group's torchrun ends with this process.
 
 With ``launch.scheduler: local_cwd`` the same services run here around a TorchX job of G
 replicas (``appdef.build_appdef``), each group's torchrun restarting its own workers.
@@ -48,6 +49,8 @@ from titan_kedro.launch.torchrun import (
 from titan_kedro.train.run_lock import hold_run_folder
 
 POLL_S = 0.2
+STREAM_DRAIN_S = 5.0
+"""How long a failure report waits for the exited group's remaining output."""
 
 
 @contextlib.contextmanager
@@ -93,7 +96,10 @@ class GroupProcess:
     torchrun: TorchrunGroup | None = None
     """The current attempt's torchrun (it ends with this process: ``start_torchrun``)."""
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=200))
+    streamer: threading.Thread | None = None
+    """The thread echoing the current attempt's output into ``tail``."""
     finished: bool = False
+    """Exited with code 0 (a non-zero exit never counts as finished)."""
 
     @property
     def proc(self) -> subprocess.Popen[str] | None:
@@ -151,7 +157,10 @@ class ReplicaGroupLauncher:
             f"[group {group.replica_id}] launching (attempt {group.attempt}): "
             f"{' '.join(group.torchrun.command)}\n"
         )
-        threading.Thread(target=self._stream, args=(group, group.torchrun), daemon=True).start()
+        group.streamer = threading.Thread(
+            target=self._stream, args=(group, group.torchrun), daemon=True
+        )
+        group.streamer.start()
 
     def _stream(self, group: GroupProcess, torchrun: TorchrunGroup) -> None:
         assert torchrun.process.stdout is not None
@@ -161,6 +170,8 @@ class ReplicaGroupLauncher:
             self._echo(f"[group {group.replica_id}] {line}")
 
     def _failure(self, group: GroupProcess, reason: str) -> TrainingFailedError:
+        if group.streamer is not None:  # its last lines, printed just before it exited
+            group.streamer.join(timeout=STREAM_DRAIN_S)
         output = "".join(group.tail)
         before = group.torchrun.before if group.torchrun is not None else set()
         worker_log = new_failing_rank_log(group.log_dir, before, output)
@@ -211,14 +222,15 @@ class ReplicaGroupLauncher:
             group.finished = True
             self._echo(f"[group {group.replica_id}] finished\n")
             return
-        if any(g.finished for g in self.groups):
-            # A group finished the last step, so the job's steps are all done.
-            group.finished = True
-            self._echo(
-                f"[group {group.replica_id}] exited with code {rc} after another group finished "
-                "the run; not restarting it\n"
+        done = [g.replica_id for g in self.groups if g.finished]
+        if done:
+            # The steps are done, so there is nothing to restart it for, but its failure
+            # (a crash at the end, a restart that found no peer) is the job's.
+            raise self._failure(
+                group,
+                f"exited with code {rc} after group(s) {', '.join(map(str, done))} finished "
+                "the run (not restarted: the run's steps are done)",
             )
-            return
         alive = [g for g in self.groups if g is not group and not g.finished and g.proc
                  and g.proc.poll() is None]  # fmt: skip
         if not alive:

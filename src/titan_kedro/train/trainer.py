@@ -299,8 +299,17 @@ class Trainer:
             )
         return {"val_loss": val_loss, "val_perplexity": perplexity(val_loss)}
 
+    def _leads(self) -> bool:
+        """Whether this rank's group logs, checkpoints and writes the summary: always without
+        replica groups, else the group with replica rank 0 in this step's quorum. Within the
+        group only rank 0 logs and writes (``self.metrics`` is rank 0's)."""
+        return self.ft is None or self.ft.is_leader
+
     def train(self, stop_at: int | None = None) -> dict[str, Any]:
         """Train up to ``training.steps``; returns the summary (also written by rank 0).
+
+        The last step of the run (``training.steps``, or ``stop_at``) always validates (when
+        ``validation.freq``), logs its metrics row and saves a checkpoint.
 
         Args:
             stop_at: Stop after this step (with a checkpoint) instead of ``training.steps``;
@@ -321,6 +330,7 @@ class Trainer:
             if self.ft is None or self.ft.logs_run_constants:
                 self.metrics.log_once({"peak_tflops": self.peak_tflops}, step=self.state.step)
         step_metrics: dict[str, Any] = {}
+        leader = self._leads()  # updated by every step (its quorum) and read at the end
         while self.state.step < last_step:
             maybe_crash(self.state.step + 1, self.rank)
             step_start = time.perf_counter()
@@ -332,7 +342,8 @@ class Trainer:
                 torch.cuda.synchronize(self.device)
             step_time = time.perf_counter() - step_start
             self.state.step = step
-            leader = self.ft is None or self.ft.is_leader
+            leader = self._leads()
+            final = step == last_step  # the last step of this run, stopped early or not
             if self.ft is not None:
                 step_metrics.update(self.ft.step_metrics())
                 share = step_metrics["ft/participants"] / self.cfg.replica_groups
@@ -340,16 +351,10 @@ class Trainer:
             else:
                 self.state.tokens_seen += self.tokens_per_step_global
             self.state.last_loss = step_metrics["loss"]
-            if cfg.validation.freq and (
-                step % cfg.validation.freq == 0 or step == cfg.training.steps
-            ):
+            if cfg.validation.freq and (step % cfg.validation.freq == 0 or final):
                 step_metrics.update(self.validate())
             if self.metrics is not None and leader:
-                if (
-                    step % cfg.metrics.log_freq == 0
-                    or step == cfg.training.steps
-                    or "val_loss" in step_metrics
-                ):
+                if step % cfg.metrics.log_freq == 0 or final or "val_loss" in step_metrics:
                     tps = self.tokens_per_step_local / step_time
                     tflops = tps * self.flops_per_token / 1e12
                     step_metrics.update(
@@ -362,7 +367,7 @@ class Trainer:
                     )
                     self.metrics.log(step, step_metrics)
                 self.metrics.advance()
-            if (step % cfg.checkpoint.interval == 0 or step == last_step) and leader:
+            if (step % cfg.checkpoint.interval == 0 or final) and leader:
                 self.checkpointer.save(step, {"loss": self.state.last_loss, **self.run_metadata})
         summary = {
             "checkpoint_dir": str(self.checkpointer.last_saved)
@@ -375,7 +380,7 @@ class Trainer:
         }
         if self.ft is not None:  # lets anyone check that the groups ended in lock-step
             self.ft.write_state_digest(Path(cfg.job.dump_folder) / "ft", self.rank, self.state.step)
-        if self.rank == 0 and (self.ft is None or self.ft.is_leader):
+        if self.rank == 0 and leader:
             write_summary(cfg.job.dump_folder, summary)
         return summary
 
