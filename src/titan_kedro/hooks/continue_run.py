@@ -3,12 +3,11 @@
 Every ``kedro run`` is a new MLflow run unless ``checkpoint.resume`` names a checkpoint.
 Then, before kedro-mlflow opens its run, this hook resolves ``checkpoint.resume`` once
 (``train.checkpoint.resume.resolve_resume``: a concrete ``step-<n>`` folder and its
-checked run id), refuses settings that change the maths (``run_identity.
-check_resume_compatible``: the job config saved with the checkpoint against this one, all
-but ``ALLOWED_CHANGES``, ``job.seed`` included; the training node runs the same check again
-with the token fingerprints), sets kedro-mlflow's public
-``tracking.run.id`` so that run is reopened, and tags it ``titan_kedro.continued_from`` /
-``titan_kedro.changed_params``. Every node that reads ``params:checkpoint`` then gets the
+checked run id), refuses settings that change the maths (the job config saved with the
+checkpoint against this one, all but ``run_identity.ALLOWED_CHANGES``, ``job.seed``
+included: ``check_resume_compatible``, which the training node runs again with the token
+fingerprints), sets kedro-mlflow's public ``tracking.run.id`` so that run is reopened, and
+tags it ``titan_kedro.continued_from`` / ``titan_kedro.changed_params``. Every node that reads ``params:checkpoint`` then gets the
 concrete folder as ``checkpoint.resume`` (``before_node_run``'s returned inputs, Kedro's
 way for a hook to update a node's inputs), so the training node and its workers continue
 exactly the checkpoint whose MLflow run was reopened, even if another run saved a newer

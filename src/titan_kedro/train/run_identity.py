@@ -90,7 +90,7 @@ RUN_SETS = ("job.run_id", "checkpoint.folder", "checkpoint.resume")
 
 
 class ResumeMismatchError(ValueError):
-    """Continuing a checkpoint with settings that change the maths (model, data, batch)."""
+    """Continuing a checkpoint with settings that change the maths (seed, model, data, …)."""
 
 
 @dataclass(frozen=True)
