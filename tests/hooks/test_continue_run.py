@@ -17,7 +17,7 @@ from train.helpers import live_holder, tiny_job
 from titan_kedro.hooks.continue_run import CHANGED_TAG, CONTINUED_TAG, ContinueRunHook
 from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.train.checkpoint.resume import CheckpointRunIdError, find_checkpoint
-from titan_kedro.train.run_identity import prepare_run
+from titan_kedro.train.run_identity import ResumeMismatchError, checkpoint_metadata, prepare_run
 from titan_kedro.train.run_lock import RunFolderLockedError
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "titan_kedro"
@@ -130,3 +130,34 @@ def test_continuing_a_run_a_live_writer_holds_is_refused_before_its_mlflow_run_i
     assert f"pid {holder.pid}" in str(err.value)
     assert context.mlflow.tracking.run.id is None
     assert CONTINUED_TAG not in tracking.get_run(run_id).data.tags
+
+
+def test_continuing_with_another_seed_is_refused_before_its_mlflow_run_is_touched(
+    tmp_path: Path, tracking: MlflowClient
+) -> None:
+    experiment = tracking.create_experiment(f"seed-{tmp_path.name}")
+    run_id = tracking.create_run(experiment).info.run_id
+    saved = tiny_job(tmp_path, tmp_path / "tokens", job={"run_id": run_id})
+    meta = checkpoint_metadata(resolve_job_config(saved).config, None)
+    checkpoint = _checkpoint(tmp_path / "ckpt", run_id, 3, mtime=1_000)
+    (checkpoint / "metadata.json").write_text(json.dumps({**meta.to_dict(), "step": 3}))
+    params = tiny_job(
+        tmp_path, tmp_path / "tokens", job={"seed": 8}, checkpoint={"resume": "latest"}
+    )
+    context = SimpleNamespace(params=params, mlflow=KedroMlflowConfig())
+    hook = ContinueRunHook()
+    hook.after_context_created(context)
+    with pytest.raises(ResumeMismatchError) as err:
+        hook.before_pipeline_run({}, None, None)
+    message = str(err.value)
+    assert "job.seed: checkpoint 7, now 8" in message and "--params job.seed=7" in message
+    assert context.mlflow.tracking.run.id is None  # not reopened
+    assert CONTINUED_TAG not in tracking.get_run(run_id).data.tags
+    assert hook.before_node_run(None, {"params:checkpoint": params["checkpoint"]}) is None
+
+    # With the checkpoint's seed (and a longer schedule: allowed) the run is continued.
+    params["job"]["seed"] = 7
+    params["training"]["steps"] = 9
+    hook.before_pipeline_run({}, None, None)
+    assert context.mlflow.tracking.run.id == run_id
+    assert tracking.get_run(run_id).data.tags[CONTINUED_TAG] == str(checkpoint)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -193,14 +194,107 @@ def test_prune_unpublishes_a_step_before_deleting_it(
 
 
 def test_maths_changes_are_refused_listing_the_keys(tmp_path: Path) -> None:
-    saved = {"training.seq_len": 64, "model.flavor": "debugmodel", "data_fingerprint": "abc"}
-    path = _fake_checkpoint(tmp_path / "r" / "step-1", math=saved)
-    check_resume_compatible(path, dict(saved))
-    changed = {**saved, "training.seq_len": 128, "data_fingerprint": "xyz"}
+    from titan_kedro.train.run_identity import allowed_changes, checkpoint_metadata
+    from train.conftest import make_config
+
+    base = {
+        "job": {"seed": 7, "run_id": RUN_A},
+        "training": {"seq_len": 64, "local_batch_size": 2, "global_batch_size": 8},
+        "launch": {"nproc_per_node": 2},
+    }
+    tokens = {"fingerprint": "abc", "tokenizer": {"fingerprint": "tok"}}
+    saved = checkpoint_metadata(make_config(**base), tokens)
+    path = _fake_checkpoint(tmp_path / RUN_A / "step-1", **saved.to_dict())
+    # Legitimate continuations: the schedule, the layout (world size 2 -> 4, same global
+    # batch), where things live and how a step runs.
+    allowed = make_config(
+        job={"seed": 7, "run_id": None, "name": "again", "dump_folder": str(tmp_path / "j")},
+        data={"token_dir": str(tmp_path / "moved")},
+        training={"seq_len": 64, "local_batch_size": 1, "global_batch_size": 8, "steps": 9,
+                  "num_threads": 1, "compile": True, "activation_checkpoint": "full"},
+        optimizer={"lr": 1e-3},
+        lr_scheduler={"warmup_steps": 3},
+        launch={"nproc_per_node": 4, "scheduler": "local_cwd"},
+        checkpoint={"resume": "latest", "interval": 3},
+    )  # fmt: skip
+    check_resume_compatible(path, allowed, tokens)
+    changes = allowed_changes(path, allowed)
+    assert changes["training.steps"] == (200, 9) and changes["optimizer.lr"] == (8e-4, 1e-3)
+    assert changes["launch.nproc_per_node"] == (2, 4)
+    assert "checkpoint.resume" not in changes and "job.run_id" not in changes  # set by the run
+
+    changed = make_config(
+        **{**base, "job": {"seed": 8}, "training": {**base["training"], "seq_len": 128}},
+        optimizer={"weight_decay": 0.0},
+    )
     with pytest.raises(ResumeMismatchError) as err:
-        check_resume_compatible(path, changed)
+        check_resume_compatible(path, changed, {**tokens, "fingerprint": "xyz"})
+    message = str(err.value)
+    assert "job.seed: checkpoint 7, now 8" in message and "--params job.seed=7" in message
+    assert "training.seq_len: checkpoint 64, now 128" in message
+    assert "optimizer.weight_decay: checkpoint 0.1, now 0.0" in message
+    assert "data_fingerprint: checkpoint 'abc', now 'xyz'" in message
+    assert "checkpoint.resume=never" in message and "job.run_id" not in message
+
+    # The global batch is compared as a number: left to the world size, it changes.
+    by_world = make_config(
+        job={"seed": 7},
+        training={"seq_len": 64, "local_batch_size": 2},
+        launch={"nproc_per_node": 2},
+    )
+    by_world_path = _fake_checkpoint(
+        tmp_path / "w" / "step-1", **checkpoint_metadata(by_world, None).to_dict()
+    )
+    more_ranks = by_world.model_copy(update={"launch": allowed.launch})
+    with pytest.raises(ResumeMismatchError, match="global_batch_size: checkpoint 4, now 8"):
+        check_resume_compatible(by_world_path, more_ranks)
+
+
+def test_a_checkpoint_saved_without_its_config_is_compared_on_its_recorded_keys(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from train.conftest import make_config
+
+    cfg = make_config(job={"seed": 3}, training={"seq_len": 64})
+    old = {"training.seq_len": 64, "model.flavor": "debugmodel", "data_fingerprint": "abc"}
+    path = _fake_checkpoint(tmp_path / "r" / "step-1", math=old)
+    with caplog.at_level("WARNING"):
+        check_resume_compatible(path, cfg, {"fingerprint": "abc"})  # the seed is not recorded
+    assert "saved without its job config" in caplog.text and "job.seed" in caplog.text
+    longer = make_config(training={"seq_len": 128})
+    with pytest.raises(ResumeMismatchError) as err:
+        check_resume_compatible(path, longer, {"fingerprint": "xyz"})
     assert "data_fingerprint" in str(err.value) and "training.seq_len" in str(err.value)
     assert "model.flavor" not in str(err.value)
+
+
+def test_checkpoint_metadata_round_trips_and_refuses_what_the_trainer_never_writes(
+    tmp_path: Path,
+) -> None:
+    from titan_kedro.train.checkpoint.metadata import (
+        CheckpointMetadata,
+        CheckpointMetadataError,
+    )
+
+    meta = CheckpointMetadata(step=4, world_size=2, loss=1.5, run_id=RUN_A, config={"job": {}})
+    folder = tmp_path / "step-4"
+    folder.mkdir()
+    meta.write(folder)
+    assert CheckpointMetadata.read(folder) == meta
+    for bad, named in (
+        ({"world_size": 2}, "no 'step'"),
+        ({"step": "4"}, "step '4'"),
+        ({"step": 4, "world_size": "2"}, "world_size '2'"),
+        ({"step": 4, "config": [1]}, "config [1]"),
+        ({"step": 4, "loss": True}, "loss True"),
+    ):
+        (folder / METADATA).write_text(json.dumps(bad), encoding="utf-8")
+        with pytest.raises(CheckpointMetadataError, match=re.escape(named)) as err:
+            CheckpointMetadata.read(folder)
+        assert str(folder / METADATA) in str(err.value)
+    (folder / METADATA).write_text("{", encoding="utf-8")
+    with pytest.raises(CheckpointMetadataError, match="not valid JSON"):
+        CheckpointMetadata.read(folder)
 
 
 def test_one_resolution_reads_the_checkpoint_metadata_once(
@@ -211,7 +305,7 @@ def test_one_resolution_reads_the_checkpoint_metadata_once(
 
     root = tmp_path / "ckpt"
     cfg = make_config(checkpoint={"folder": str(root), "resume": "latest"}, job={"run_id": RUN_A})
-    _fake_checkpoint(root / RUN_A / "step-4", **checkpoint_metadata(cfg, None))
+    _fake_checkpoint(root / RUN_A / "step-4", **checkpoint_metadata(cfg, None).to_dict())
     reads: list[Path] = []
     real_read_text = Path.read_text
 

@@ -3,10 +3,11 @@
 Every ``kedro run`` is a new MLflow run unless ``checkpoint.resume`` names a checkpoint.
 Then, before kedro-mlflow opens its run, this hook resolves ``checkpoint.resume`` once
 (``train.checkpoint.resume.resolve_resume``: a concrete ``step-<n>`` folder and its
-checked run id), refuses settings that change the maths (model, seq_len, global batch; the
-token fingerprints are checked by the training node), sets kedro-mlflow's public
-``tracking.run.id`` so that run is reopened, and tags it ``titan_kedro.continued_from`` /
-``titan_kedro.changed_params``. Every node that reads ``params:checkpoint`` then gets the
+checked run id), refuses settings that change the maths (the job config saved with the
+checkpoint against this one, all but ``run_identity.ALLOWED_CHANGES``, ``job.seed``
+included: ``check_resume_compatible``, which the training node runs again with the token
+fingerprints), sets kedro-mlflow's public ``tracking.run.id`` so that run is reopened, and
+tags it ``titan_kedro.continued_from`` / ``titan_kedro.changed_params``. Every node that reads ``params:checkpoint`` then gets the
 concrete folder as ``checkpoint.resume`` (``before_node_run``'s returned inputs, Kedro's
 way for a hook to update a node's inputs), so the training node and its workers continue
 exactly the checkpoint whose MLflow run was reopened, even if another run saved a newer
@@ -26,12 +27,7 @@ from mlflow.tracking import MlflowClient
 from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.tracking.mlflow_params import loggable_params
 from titan_kedro.train.checkpoint.resume import ResumePoint, resolve_resume
-from titan_kedro.train.run_identity import (
-    check_resume_compatible,
-    describe_changes,
-    differences,
-    math_settings,
-)
+from titan_kedro.train.run_identity import check_resume_compatible, describe_changes, differences
 from titan_kedro.train.run_lock import check_run_folder
 
 logger = logging.getLogger(__name__)
@@ -73,7 +69,9 @@ class ContinueRunHook:
         point = resolve_resume(cfg.checkpoint.folder, resume)
         if point is None:
             return
-        check_resume_compatible(point.checkpoint, math_settings(cfg, None), point.metadata)
+        # The token files may still be (re)written by this run: the node checks their
+        # fingerprints; everything else is refused here, before MLflow is touched.
+        check_resume_compatible(point.checkpoint, cfg, None, point.metadata)
         # A run that still trains into the folder is refused before its MLflow run is touched.
         ckpt = cfg.checkpoint
         check_run_folder(

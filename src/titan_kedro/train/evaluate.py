@@ -19,7 +19,7 @@ from torch import nn
 
 from titan_kedro.models.generate import generate
 from titan_kedro.models.resolve import ResolvedJob
-from titan_kedro.train.checkpoint.layout import read_checkpoint_metadata
+from titan_kedro.train.checkpoint.metadata import CheckpointMetadata
 from titan_kedro.train.checkpoint.resume import find_checkpoint, latest_checkpoint
 from titan_kedro.train.checkpoint.safe_load import load_model_weights
 from titan_kedro.train.device import resolve_device
@@ -69,16 +69,11 @@ def load_checkpoint_model(
         FileNotFoundError: ``checkpoint`` is not a complete checkpoint folder.
         RuntimeError: Its weights do not fit the configured model (changed ``model.*``?).
     """
-    metadata = read_checkpoint_metadata(
-        checkpoint
-    )  # fails early, with advice, on an incomplete folder
+    metadata = CheckpointMetadata.read(checkpoint)  # fails early on an incomplete folder
     device = torch.device(device) if not isinstance(device, torch.device) else device
     model = build_model(resolved.spec, resolved.model_args, resolved.config.job.seed, device)
     load_model_weights(checkpoint, model)
-    step = metadata.get("step")
-    if step is None:
-        step = int(Path(checkpoint).name.removeprefix("step-"))
-    return LoadedCheckpoint(model.eval(), resolved, Path(checkpoint), int(step))
+    return LoadedCheckpoint(model.eval(), resolved, Path(checkpoint), metadata.step)
 
 
 def evaluation_device(resolved: ResolvedJob) -> torch.device:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -368,7 +369,8 @@ class Trainer:
                     self.metrics.log(step, step_metrics)
                 self.metrics.advance()
             if (step % cfg.checkpoint.interval == 0 or final) and leader:
-                self.checkpointer.save(step, {"loss": self.state.last_loss, **self.run_metadata})
+                meta = replace(self.run_metadata, loss=float(self.state.last_loss))
+                self.checkpointer.save(step, meta)
         summary = {
             "checkpoint_dir": str(self.checkpointer.last_saved)
             if self.checkpointer.last_saved

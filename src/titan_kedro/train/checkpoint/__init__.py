@@ -1,18 +1,14 @@
 """Distributed checkpoints that a crash can never leave half-written, loaded safely.
 
-Rooms: ``layout`` (``step-<n>`` folders, ``metadata.json``), ``safe_load`` (the allow-list
+Rooms: ``layout`` (``step-<n>`` folders), ``metadata`` (``CheckpointMetadata``: what
+``metadata.json`` holds, its one writer and reader), ``safe_load`` (the allow-list
 unpickler and every load path), ``publish`` (fsync, atomic publish, recovery, prune),
 ``resume`` (finding checkpoints and the one resolution of ``checkpoint.resume``),
 ``rank_zero`` (rank 0's work and failures shared with every rank) and ``manager``
 (``CheckpointManager``, the per-rank state codec). The public names are re-exported here.
 """
 
-from titan_kedro.train.checkpoint.layout import (
-    METADATA,
-    is_checkpoint,
-    read_checkpoint_metadata,
-    step_dir,
-)
+from titan_kedro.train.checkpoint.layout import METADATA, is_checkpoint, step_dir
 from titan_kedro.train.checkpoint.manager import (
     CheckpointManager,
     ModelState,
@@ -20,6 +16,11 @@ from titan_kedro.train.checkpoint.manager import (
     encode_state,
     rng_state,
     set_rng_state,
+)
+from titan_kedro.train.checkpoint.metadata import (
+    CheckpointMetadata,
+    CheckpointMetadataError,
+    read_checkpoint_metadata,
 )
 from titan_kedro.train.checkpoint.publish import (
     prune_checkpoints,
@@ -48,6 +49,8 @@ from titan_kedro.train.checkpoint.safe_load import (
 __all__ = [
     "METADATA",
     "CheckpointManager",
+    "CheckpointMetadata",
+    "CheckpointMetadataError",
     "CheckpointRunIdError",
     "ModelState",
     "RankZeroError",

@@ -3,15 +3,14 @@
 ``{folder}/step-{n}/`` holds the DCP files and ``metadata.json``, which rank 0 writes
 last. Only a folder named exactly ``step-{n}`` with a ``metadata.json`` is a checkpoint;
 ``step-{n}.tmp`` (a save in progress), ``step-{n}.old.tmp`` (a copy being replaced) and
-``step-{n}.deleting`` (a copy being pruned) never are.
+``step-{n}.deleting`` (a copy being pruned) never are. What ``metadata.json`` holds, and
+its one reader and writer: ``metadata.CheckpointMetadata``.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
-from typing import Any
 
 METADATA = "metadata.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -26,19 +25,3 @@ def step_dir(folder: str | Path, step: int) -> Path:
 def is_checkpoint(path: Path) -> bool:
     """True for a published, complete ``step-{n}`` folder."""
     return bool(STEP_DIR.match(path.name)) and (path / METADATA).is_file()
-
-
-def read_checkpoint_metadata(path: str | Path) -> dict[str, Any]:
-    """The ``metadata.json`` of a checkpoint folder (not the token folder's, see
-    ``titan_kedro.data.token_store.read_token_metadata``).
-
-    Raises:
-        FileNotFoundError: ``path`` is not a complete checkpoint.
-    """
-    file = Path(path) / METADATA
-    if not file.is_file():
-        raise FileNotFoundError(
-            f"'{path}' is not a complete checkpoint (no {METADATA}); pick a step-<n> folder "
-            "written by the trainer, e.g. latest_checkpoint(checkpoint.folder)"
-        )
-    return json.loads(file.read_text(encoding="utf-8"))

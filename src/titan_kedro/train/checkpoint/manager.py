@@ -5,8 +5,9 @@ different FSDP layout), the LR schedule, the training counters, and per-rank sta
 data loader position and RNG states) gathered into one JSON list indexed by rank
 (``encode_state``: tensors as base64, read back without unpickling). Under another world
 size DCP reshards model and optimizer, and rank 0's entry gives the (global) data
-position; RNG states are then reseeded. The run id and the settings that change the maths
-are in ``metadata.json`` (see ``titan_kedro.train.run_identity``).
+position; RNG states are then reseeded. ``metadata.json`` (``metadata.CheckpointMetadata``:
+the step, the world size, the loss, the run id and the resolved job config) is written here
+alone; what a continued run may change is decided in ``titan_kedro.train.run_identity``.
 
 Rank 0 alone resolves the resume checkpoint, writes ``metadata.json``, publishes and
 prunes (``publish``); its failures reach every rank (``rank_zero.on_rank_zero``).
@@ -19,6 +20,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titan_kedro.train.checkpoint.layout import METADATA, read_checkpoint_metadata, step_dir
+from titan_kedro.train.checkpoint.layout import step_dir
+from titan_kedro.train.checkpoint.metadata import CheckpointMetadata, CheckpointMetadataError
 from titan_kedro.train.checkpoint.publish import (
     prune_checkpoints,
     publish_folder,
@@ -149,8 +152,14 @@ class CheckpointManager:
         self.world_size = dist.get_world_size()
         self.last_saved: Path | None = None
 
-    def save(self, step: int, extra_metadata: Mapping[str, Any] | None = None) -> Path | None:
+    def save(self, step: int, metadata: CheckpointMetadata | None = None) -> Path | None:
         """Write ``step-{step}`` atomically (collective: every rank calls it).
+
+        Args:
+            step: The optimizer step just taken.
+            metadata: What the run records in ``metadata.json`` (run id, loss, job config,
+                …; ``run_identity.checkpoint_metadata``); ``step``, ``world_size`` and
+                ``saved_at`` are set here.
 
         Raises:
             RankZeroError: On every rank, when rank 0 failed to prepare the folder,
@@ -166,12 +175,12 @@ class CheckpointManager:
         dist.all_gather_object(gathered, encode_state(self.per_rank_state()))
         dcp.save({**self.states, "per_rank": json.dumps(gathered)}, checkpoint_id=str(tmp))
         dist.barrier()
-        meta = {
-            "step": step,
-            "world_size": self.world_size,
-            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            **dict(extra_metadata or {}),
-        }
+        meta = replace(
+            metadata or CheckpointMetadata(step=step),
+            step=step,
+            world_size=self.world_size,
+            saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        )
         on_rank_zero(f"publishing {final}", lambda: self._publish(tmp, final, meta))
         on_rank_zero(f"pruning old checkpoints in {self.folder}", self._prune)
         self.last_saved = final
@@ -184,8 +193,8 @@ class CheckpointManager:
         sweep_unfinished(self.folder)
 
     @staticmethod
-    def _publish(tmp: Path, final: Path, meta: Mapping[str, Any]) -> None:
-        (tmp / METADATA).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    def _publish(tmp: Path, final: Path, meta: CheckpointMetadata) -> None:
+        meta.write(tmp)  # last: a folder with metadata.json is a complete checkpoint
         publish_folder(tmp, final)
 
     def _prune(self) -> None:
@@ -216,9 +225,19 @@ class CheckpointManager:
         choice = on_rank_zero(f"resolving checkpoint.resume={resume!r}", choose)
         return Path(choice) if choice is not None else None
 
-    def load(self, path: Path) -> dict[str, Any]:
-        """Restore every state from ``path`` (collective) and return its metadata."""
-        meta = read_checkpoint_metadata(path)
+    def load(self, path: Path) -> CheckpointMetadata:
+        """Restore every state from ``path`` (collective) and return its metadata.
+
+        Raises:
+            CheckpointMetadataError: Its ``metadata.json`` records no ``world_size`` (not
+                written by the trainer) or is otherwise not what titan_kedro writes.
+        """
+        meta = CheckpointMetadata.read(path)
+        if meta.world_size is None:
+            raise CheckpointMetadataError(
+                f"{path}: metadata.json records no world_size, so it was not written by "
+                "titan_kedro's trainer; set checkpoint.resume to another checkpoint"
+            )
         loaded: dict[str, Any] = {**self.states, "per_rank": ""}
         try:
             safe_dcp_load(loaded, path)
@@ -231,7 +250,7 @@ class CheckpointManager:
                 "at a fresh folder or set checkpoint.resume: never to start over"
             ) from err
         entries = json.loads(loaded["per_rank"])
-        same_world = int(meta["world_size"]) == self.world_size
+        same_world = meta.world_size == self.world_size
         # The data position is global (rank 0's entry serves any world size); RNG states
         # are per rank and only apply when the world size matches.
         self.restore_per_rank(
@@ -243,7 +262,7 @@ class CheckpointManager:
                 "resharded and the data position continues; RNG states are reseeded from "
                 "job.seed and the rank",
                 path,
-                meta["world_size"],
+                meta.world_size,
                 self.world_size,
             )
         self.last_saved = path

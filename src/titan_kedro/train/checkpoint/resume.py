@@ -11,27 +11,28 @@ itself. A concrete path resolves to itself, so ``latest`` is never looked up twi
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from titan_kedro.train.checkpoint.layout import (
-    METADATA,
-    STEP_DIR,
-    is_checkpoint,
-    read_checkpoint_metadata,
+from titan_kedro.train.checkpoint.layout import METADATA, STEP_DIR, is_checkpoint
+from titan_kedro.train.checkpoint.metadata import (
+    RUN_ID_KEY,
+    RUN_ID_SHAPE,
+    CheckpointMetadata,
+    CheckpointRunIdError,
 )
 
-RUN_ID_KEY = "run_id"
-"""The key of a checkpoint's ``metadata.json`` that names its run."""
-RUN_ID_SHAPE = re.compile(r"^[0-9a-f]{32}$")
-"""An MLflow run id, and the ids ``run_identity.new_run_id`` generates without MLflow."""
-
-
-class CheckpointRunIdError(ValueError):
-    """A checkpoint's ``metadata.json`` names a run id that is no run id (a path, say)."""
+__all__ = [
+    "RUN_ID_KEY",
+    "RUN_ID_SHAPE",
+    "CheckpointRunIdError",
+    "ResumePoint",
+    "checkpoint_run_id",
+    "find_checkpoint",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "resolve_resume",
+]
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,9 @@ class ResumePoint:
     run_id: str | None
     """The run it belongs to (checked), or None when its metadata records none (a worker
     started by hand without ``job.run_id``)."""
-    metadata: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
-    """The checkpoint's ``metadata.json``, read once here and handed on (the maths and
-    schedule checks read it from here, not from the file again)."""
+    metadata: CheckpointMetadata = field(compare=False, repr=False)
+    """The checkpoint's parsed ``metadata.json``, read once here and handed on (the maths
+    and schedule checks read it from here, not from the file again)."""
 
 
 def list_checkpoints(folder: str | Path) -> list[tuple[int, Path]]:
@@ -113,47 +114,43 @@ def _subdirs(root: Path) -> list[Path]:
 
 
 def checkpoint_run_id(
-    checkpoint: str | Path, root: str | Path, metadata: Mapping[str, Any] | None = None
+    checkpoint: str | Path, root: str | Path, metadata: CheckpointMetadata | None = None
 ) -> str | None:
     """The run id a checkpoint's ``metadata.json`` records, checked before any path use.
+
+    Its shape (32 lowercase hex digits) is checked when the file is parsed
+    (``CheckpointMetadata.read``); here, that ``root/<run id>`` stays inside ``root``.
 
     Args:
         checkpoint: A complete ``step-<n>`` folder.
         root: ``checkpoint.folder``, which the run's folder ``root/<run id>`` must stay in.
-        metadata: The checkpoint's ``metadata.json`` when already read (else read here).
+        metadata: The checkpoint's parsed ``metadata.json`` when already read (else read here).
 
     Returns:
         The run id, or None when the metadata records none.
 
     Raises:
         CheckpointRunIdError: The recorded ``run_id`` is not 32 hex digits, or would
-            resolve outside ``root`` (e.g. ``../..`` or ``/tmp/x``).
+            resolve outside ``root`` (e.g. ``../..`` or ``/tmp/x``, or a symbolic link).
     """
     if metadata is None:
-        metadata = read_checkpoint_metadata(checkpoint)
-    value = metadata.get(RUN_ID_KEY)
+        metadata = CheckpointMetadata.read(checkpoint)
+    value = metadata.run_id
     if value is None:
         return None
-    where = Path(checkpoint) / METADATA
     root_path = Path(root).resolve()
-    if not isinstance(value, str) or not RUN_ID_SHAPE.match(value):
-        raise CheckpointRunIdError(
-            f"{where}: run_id {value!r} is not a run id (32 lowercase hex digits, an MLflow "
-            "run id or one titan_kedro generated), so it cannot name a folder under "
-            f"checkpoint.folder '{root}'. This checkpoint was edited or not written by "
-            "titan_kedro: set checkpoint.resume to another checkpoint, or restore its run_id"
-        )
     if not (root_path / value).resolve().is_relative_to(root_path):
         raise CheckpointRunIdError(
-            f"{where}: run_id {value!r} resolves outside checkpoint.folder '{root}' (a "
-            "symbolic link?); set checkpoint.resume to another checkpoint"
+            f"{Path(checkpoint) / METADATA}: run_id {value!r} resolves outside "
+            f"checkpoint.folder '{root}' (a symbolic link?); set checkpoint.resume to "
+            "another checkpoint"
         )
     return value
 
 
 def resolve_resume(root: str | Path, resume: str) -> ResumePoint | None:
     """Resolve ``checkpoint.resume`` once into a concrete checkpoint, its run id and its
-    ``metadata.json`` (read once, here).
+    parsed ``metadata.json`` (read once, here).
 
     Args:
         root: ``checkpoint.folder``.
@@ -164,10 +161,11 @@ def resolve_resume(root: str | Path, resume: str) -> ResumePoint | None:
 
     Raises:
         FileNotFoundError: ``resume`` names no complete checkpoint.
+        CheckpointMetadataError: Its ``metadata.json`` is not what titan_kedro writes.
         CheckpointRunIdError: The checkpoint's recorded run id is unsafe to use.
     """
     checkpoint = find_checkpoint(root, resume)
     if checkpoint is None:
         return None
-    metadata = read_checkpoint_metadata(checkpoint)
+    metadata = CheckpointMetadata.read(checkpoint)
     return ResumePoint(checkpoint, checkpoint_run_id(checkpoint, root, metadata), metadata)

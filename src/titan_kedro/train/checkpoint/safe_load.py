@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-from titan_kedro.train.checkpoint.layout import read_checkpoint_metadata
+from titan_kedro.train.checkpoint.metadata import CheckpointMetadata
 
 _SAFE_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     {
@@ -120,7 +120,7 @@ def load_model_weights(path: str | Path, model: nn.Module) -> nn.Module:
         FileNotFoundError: ``path`` is not a complete checkpoint.
         RuntimeError: The checkpoint lacks some of the model's weights.
     """
-    read_checkpoint_metadata(path)
+    CheckpointMetadata.read(path)  # fails early, with advice, on an incomplete folder
     state = {"model": model.state_dict()}
     try:
         with warnings.catch_warnings():
