@@ -123,5 +123,5 @@ PY
 
 if [ "$FT" = true ]; then
     echo "fault tolerance: replica-group collectives on NCCL (one group, TorchFT Manager)"
-    "$PYTHON" -m pytest -q -p no:cacheprovider -rs "tests/ft/test_replica_device.py" -k cuda
+    TITAN_TEST_FT_DEVICES=cuda "$PYTHON" -m pytest -q -p no:cacheprovider "tests/ft/test_replica_device.py"
 fi

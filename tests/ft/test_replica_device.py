@@ -8,11 +8,13 @@ on 127.0.0.1, one group alone in its quorum) over:
 - ``meta`` (everywhere): a one-group stand-in for NCCL that refuses, like NCCL, any tensor
   off its device, the ``meta`` device. A tensor made without ``device=`` (on the CPU, the
   default) is refused exactly as NCCL refuses it on a GPU.
-- ``cuda`` (a GPU machine, ``benchmarks/gpu_run.sh``): TorchFT's real ``ProcessGroupNCCL``.
+- ``cuda`` (a GPU machine: ``benchmarks/gpu_run.sh`` sets ``TITAN_TEST_FT_DEVICES=cuda``):
+  TorchFT's real ``ProcessGroupNCCL``.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +30,9 @@ from titan_kedro.ft.identity import ReplicaIdentity
 from titan_kedro.ft.replica import ReplicaGroupFT
 from titan_kedro.models.resolve import resolve_job_config
 
-CUDA = pytest.param(
-    "cuda",
-    marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL)"),
-)
+DEVICES = os.environ.get("TITAN_TEST_FT_DEVICES", "meta").split(",")
+"""Which cases run: ``meta`` here; ``benchmarks/gpu_run.sh`` asks for ``cuda`` (never a skip:
+a case that is asked for runs, and fails without its device)."""
 
 
 class DeviceCheckingPG(ProcessGroupDummy):
@@ -65,7 +66,7 @@ class DeviceCheckingPG(ProcessGroupDummy):
         return super().recv(tensors, src_rank, tag)
 
 
-@pytest.fixture(params=["meta", CUDA])
+@pytest.fixture(params=DEVICES)
 def group_ft(
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Any:
