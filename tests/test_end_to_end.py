@@ -301,10 +301,10 @@ def test_every_config_field_is_read_by_the_run(e2e: E2ERun, tmp_path: Path) -> N
     recorded = e2e.project / CONFIG_READS
     processes = [json.loads(path.read_text()) for path in recorded.glob("reads-*.json")]
     # The step clips gradients: both workers ran it, and so did the kedro process, whose plan
-    # measures the trainer's own step on fake tensors. All three recorded their reads.
+    # measures the trainer's own step on fake tensors (torchrun's agent reads no field).
     fields = config_fields()
-    readers = [[fields.get(tuple(read)) for read in reads] for reads in processes]
-    assert len(readers) == 3 and all("training.max_norm" in paths for paths in readers), readers
+    readers = [[fields.get(tuple(read)) for read in reads] for reads in processes if reads]
+    assert sum("training.max_norm" in paths for paths in readers) == len(readers) == 3, readers
     assert any("export.alias" in paths for paths in readers)  # the export node, in kedro run
     unread = unread_fields(read_recorded(recorded) | branch_reads(tmp_path))
     assert unread == [], "config fields nothing reads (remove them or make them take effect)"

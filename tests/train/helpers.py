@@ -182,6 +182,10 @@ def _rank_entry(
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         check(rank, world, *args)
+        # Both ranks leave together: a rank tearing gloo down while its peer still has a
+        # pending operation makes the peer abort ("terminate called without an active
+        # exception", SIGABRT), failing a check that passed.
+        dist.barrier()
         dist.destroy_process_group()
     except BaseException as err:  # report to the parent, which fails the test
         errors.put(f"rank {rank}: {err!r}\n{traceback.format_exc()}")
