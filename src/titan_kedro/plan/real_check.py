@@ -102,7 +102,7 @@ def _write_random_tokens(folder: Path, vocab_size: int, count: int) -> None:
     for split, n in (("train", count), ("validation", max(count // 10, 4096))):
         rng.integers(0, vocab_size, n, dtype="<u4").tofile(folder / f"{split}.bin")
     (folder / "metadata.json").write_text(
-        json.dumps({"vocab_size": vocab_size, "synthetic": True}), encoding="utf-8"
+        json.dumps({"vocab_size": vocab_size, "bos_id": 0, "synthetic": True}), encoding="utf-8"
     )
 
 
@@ -116,8 +116,10 @@ def worker_peak_resident(
     """Train ``raw`` with the real workers on this machine's CPU; rank 0's last logged row.
 
     The job runs as a user runs it (``torchrun --standalone -m titan_kedro.train``, one
-    thread a rank) in a temporary folder, on random tokens of the model's vocabulary,
-    with validation, checkpoints and MLflow off and a metrics row every step.
+    thread a rank) in a temporary folder, on random tokens of the model's vocabulary
+    whose metadata names a ``bos_id`` (so document masking runs as the plan assumes; the
+    trainer turns it off for tokens without one), with validation, checkpoints and MLflow
+    off and a metrics row every step.
 
     Args:
         raw: The raw job config (``training.device: cpu``).
