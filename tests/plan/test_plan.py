@@ -342,6 +342,7 @@ def test_a_config_is_measured_once_per_process(monkeypatch: pytest.MonkeyPatch) 
     assert other["bytes_per_rank"]["total"] < again["bytes_per_rank"]["total"]
 
 
+@pytest.mark.slow
 def test_planned_peak_difference_is_the_real_workers_vmhwm_difference_within_15_percent() -> None:
     """benchmarks/plan_vs_vmhwm.py for the Llama debug model: two shapes, the real workers.
 
