@@ -341,3 +341,27 @@ def test_a_config_is_measured_once_per_process(monkeypatch: pytest.MonkeyPatch) 
     other = _plan(training={"local_batch_size": 2})
     assert len(measured) == 2
     assert other["bytes_per_rank"]["total"] < again["bytes_per_rank"]["total"]
+
+
+@pytest.mark.slow
+def test_planned_peak_difference_is_the_real_workers_vmhwm_difference_within_15_percent() -> None:
+    """benchmarks/plan_vs_vmhwm.py for the Llama debug model: two shapes, the real workers.
+
+    ``python -m titan_kedro.train`` under torchrun trains each shape for 3 steps; rank 0's
+    logged ``vmhwm_gib`` (the whole process's peak resident set) minus the other shape's
+    cancels the process's fixed cost and the model's states. Allocator: every block of
+    64 KiB or more its own mapping (``training.cpu_keep_freed_memory`` false, a fixed
+    ``MALLOC_MMAP_THRESHOLD_``), so the resident set follows the live tensors.
+    """
+    from titan_kedro.plan.real_check import worker_peak_resident
+
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    planned, measured = [], []
+    for shape in ({"seq_len": 128, "local_batch_size": 2}, {"seq_len": 256, "local_batch_size": 4}):
+        raw = _raw(training={**shape, "steps": 3, "num_threads": 1})
+        planned.append(build_plan(resolve_job_config(raw))["bytes_per_rank"]["total"])
+        raw["training"]["cpu_keep_freed_memory"] = False
+        measured.append(worker_peak_resident(raw, 1, env=env)["vmhwm_gib"] * 2**30)
+    planned_delta, measured_delta = planned[1] - planned[0], measured[1] - measured[0]
+    assert planned_delta > 64 * 2**20  # far above the allocator's noise
+    assert measured_delta == pytest.approx(planned_delta, rel=0.15), (planned, measured)

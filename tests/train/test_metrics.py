@@ -15,6 +15,7 @@ from titan_kedro.train.metrics import (
     format_line,
     gpu_peak_tflops,
     measure_matmul_tflops,
+    memory_metrics,
 )
 
 
@@ -74,3 +75,16 @@ def test_a_continued_run_appends_only_to_its_own_metrics_file(tmp_path: Path) ->
     other.log(2, {"loss": 9.0})
     other.close()
     assert rows() == [2]  # run-a's rows are not mixed into run-b's continuation
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmHWM is Linux's")
+def test_cpu_memory_metrics_report_the_peak_resident_set_which_a_freed_block_keeps() -> None:
+    before = memory_metrics(torch.device("cpu"))
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, written: resident
+    during = memory_metrics(torch.device("cpu"))
+    del block
+    after = memory_metrics(torch.device("cpu"))
+    assert "memory_allocated_gib" not in during
+    assert during["vmhwm_gib"] >= max(during["memory_gib"], before["vmhwm_gib"] + 60 / 1024)
+    # The peak stays when the block goes (up to the kernel's batched per-thread RSS counts).
+    assert after["vmhwm_gib"] >= during["vmhwm_gib"] - 1 / 1024

@@ -156,6 +156,7 @@ def test_metrics_validation_moe_hooks_and_weights(tmp_path: Path, token_dir: Pat
         "tflops",
         "mfu_pct",
         "memory_gib",
+        "vmhwm_gib",
         "moe_max_load_ratio",
         "moe_dead_expert_frac",
         "val_loss",

@@ -5,6 +5,11 @@ each), runs ``fake_step.measure_step(..., fake=False)`` in them — real weights
 tokens, the real process group — and returns rank 0's tracked peak (the same tracker as
 the plan, in real mode) and, as an independent witness, the growth of the process's
 peak resident memory (``VmHWM``) over the step, from just before the model is built.
+
+``worker_peak_resident(raw, nproc)`` instead trains the job with the real workers
+(``python -m titan_kedro.train`` under torchrun) and returns the peak resident set rank 0
+logged at its last step (``vmhwm_gib``): a whole process, whose fixed cost (libraries,
+the data loader, the process group) only cancels in a difference of two configurations.
 """
 
 from __future__ import annotations
@@ -12,10 +17,13 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -86,3 +94,91 @@ def measure_real(raw: dict[str, Any], world: int) -> dict[str, Any]:
             _rank, args=(world, raw, _free_port(), out), nprocs=world, start_method="spawn"
         )
         return json.loads(Path(out).read_text(encoding="utf-8"))
+
+
+def _write_random_tokens(folder: Path, vocab_size: int, count: int) -> None:
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", count), ("validation", max(count // 10, 4096))):
+        rng.integers(0, vocab_size, n, dtype="<u4").tofile(folder / f"{split}.bin")
+    (folder / "metadata.json").write_text(
+        json.dumps({"vocab_size": vocab_size, "bos_id": 0, "synthetic": True}), encoding="utf-8"
+    )
+
+
+def worker_peak_resident(
+    raw: dict[str, Any],
+    nproc: int,
+    *,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 900.0,
+) -> dict[str, Any]:
+    """Train ``raw`` with the real workers on this machine's CPU; rank 0's last logged row.
+
+    The job runs as a user runs it (``torchrun --standalone -m titan_kedro.train``, one
+    thread a rank) in a temporary folder, on random tokens of the model's vocabulary
+    whose metadata names a ``bos_id`` (so document masking runs as the plan assumes; the
+    trainer turns it off for tokens without one), with validation, checkpoints and MLflow
+    off and a metrics row every step.
+
+    Args:
+        raw: The raw job config (``training.device: cpu``).
+        nproc: Ranks to start.
+        env: Variables added to the workers' environment (e.g. glibc malloc settings).
+        timeout_s: Wall-clock limit of the run.
+
+    Returns:
+        Rank 0's ``metrics.jsonl`` row of the last step (``vmhwm_gib``: its peak resident
+        set over the whole run so far) plus ``wall_s``, the run's wall time, and ``rows``, all
+        of rank 0's rows.
+    """
+    import time
+
+    import yaml
+
+    resolved = resolve_job_config(raw)
+    cfg = resolved.config
+    steps = cfg.training.steps
+    with tempfile.TemporaryDirectory() as folder:
+        root = Path(folder)
+        tokens = steps * cfg.training.local_batch_size * (cfg.training.seq_len + 1) * nproc
+        _write_random_tokens(root / "tokens", resolved.model_args.vocab_size, 4 * tokens + 8192)
+        job = {
+            **raw,
+            "job": {**raw.get("job", {}), "dump_folder": str(root / "job")},
+            "data": {**raw.get("data", {}), "token_dir": str(root / "tokens")},
+            "training": {"device": "cpu", "num_threads": 1, **raw.get("training", {})},
+            "launch": {**raw.get("launch", {}), "nproc_per_node": nproc,
+                       "log_dir": str(root / "logs")},
+            "checkpoint": {"enable": False, "folder": str(root / "ckpt")},
+            "metrics": {**raw.get("metrics", {}), "log_freq": 1, "enable_mlflow": False},
+            "validation": {"freq": 0},
+        }  # fmt: skip
+        config = root / "job.yaml"
+        config.write_text(yaml.safe_dump(job), encoding="utf-8")
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", "--max_restarts=0",
+            "-m", "titan_kedro.train", "--config", str(config),
+        ]  # fmt: skip
+        run_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        run_env.pop("MLFLOW_RUN_ID", None)
+        start = time.perf_counter()
+        proc = subprocess.run(
+            cmd, env=run_env, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+        wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"the workers failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                f"{proc.stderr[-5000:]}"
+            )
+        rows = [
+            json.loads(line)
+            for line in (root / "job" / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+            if line
+        ]
+        last = [row for row in rows if row.get("step") == steps and "vmhwm_gib" in row]
+        if not last:
+            raise RuntimeError(f"rank 0 logged no vmhwm_gib at step {steps}: {rows[-1:]}")
+        return {**last[-1], "wall_s": wall, "rows": rows}

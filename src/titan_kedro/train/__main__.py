@@ -97,7 +97,7 @@ def run_worker(argv: Sequence[str] | None = None) -> int:
     from titan_kedro.train.device import keep_freed_memory_mapped
     from titan_kedro.train.trainer import Trainer
 
-    if resolved.config.training.device != "cuda":
+    if resolved.config.training.device != "cuda" and resolved.config.training.cpu_keep_freed_memory:
         keep_freed_memory_mapped()
     metrics_cfg = resolved.config.metrics
     system_metrics = NodeSystemMetrics(

@@ -92,7 +92,10 @@ def keep_freed_memory_mapped() -> bool:
     a training step that allocates hundreds of MB of logits, gradients and FSDP buffers
     pays page faults for all of them again every step. Disabling ``mmap`` allocations
     (``M_MMAP_MAX=0``) and heap trimming keeps that memory in the process for the next
-    step. Call it once in a dedicated training process (it is process-wide).
+    step. Call it once in a dedicated training process (it is process-wide). The worker
+    does on CPU unless ``training.cpu_keep_freed_memory`` is false: the heap's holes then
+    make the resident set 1.2–1.6 × the live tensors' growth (benchmarks/RESULTS.md,
+    ``plan_vs_vmhwm.py``).
 
     Returns:
         True when applied (Linux with glibc), False otherwise.

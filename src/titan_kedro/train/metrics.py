@@ -100,12 +100,31 @@ def memory_gib(device: torch.device) -> float:
     return psutil.Process().memory_info().rss / 2**30
 
 
+def peak_resident_gib() -> float | None:
+    """This process's peak resident set so far (``VmHWM`` of ``/proc/self/status``) in GiB;
+    ``None`` where there is no such file (not Linux)."""
+    try:
+        status = Path("/proc/self/status").read_text(encoding="ascii")
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20  # KiB
+    return None
+
+
 def memory_metrics(device: torch.device) -> dict[str, float]:
-    """``memory_gib`` (see ``memory_gib``), and on CUDA ``memory_allocated_gib``: the peak of
-    ``torch.cuda.max_memory_allocated`` (what the plan's peak is checked against)."""
+    """``memory_gib`` (see ``memory_gib``); on CUDA ``memory_allocated_gib``: the peak of
+    ``torch.cuda.max_memory_allocated`` (what the plan's peak is checked against); on CPU
+    ``vmhwm_gib``: the peak resident set so far (``peak_resident_gib``), where the current
+    one (``memory_gib``) misses the step's peak, which is freed by the time it is read."""
     out = {"memory_gib": memory_gib(device)}
     if device.type == "cuda":
         out["memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    else:
+        peak = peak_resident_gib()
+        if peak is not None:
+            out["vmhwm_gib"] = peak
     return out
 
 

@@ -49,6 +49,12 @@ class TrainingSection(Section):
     """Use deterministic algorithms (slower on GPU)."""
     num_threads: int = Field(0, ge=0)
     """CPU threads per worker; 0 = cores / local processes."""
+    cpu_keep_freed_memory: bool = True
+    """CPU workers: serve every tensor from glibc's heap and never trim it, so the next step
+    reuses the memory without page faults (``train.device.keep_freed_memory_mapped``);
+    the resident set then stays at its peak, which heap fragmentation makes larger than
+    the peak of live tensors. False leaves glibc's defaults (or its ``MALLOC_*``
+    environment) in place."""
 
 
 class OptimizerSection(Section):
