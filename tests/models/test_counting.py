@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from pydantic import BaseModel
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from titan_kedro.config import build_job_config
-from titan_kedro.models import get_train_spec
+from titan_kedro.models import get_train_spec, import_custom_model
 from titan_kedro.models.counting import ParamCounts, count_parameters, model_card
+from titan_kedro.plan.roofline import EXTRA_FLOP_FORMULAS
 
+REPO = Path(__file__).resolve().parents[2]
 SPEC = get_train_spec("llama3")
 DIM, VOCAB, LAYERS, FFN = 256, 512, 2, 768
 ATTENTION = 2 * DIM * DIM + 2 * DIM * 128  # q, o: 256×256; k, v: 256×128 (8 kv heads of 16)
@@ -102,3 +107,37 @@ def test_model_card_is_json_safe_and_complete(llama: tuple[nn.Module, Any]) -> N
     # 12 · layers · (heads · head_dim = DIM) · seq_len.
     assert card["flops_per_token"] == 6 * (TOTAL - VOCAB * DIM) + 12 * LAYERS * DIM * 128
     assert "memory" not in card  # the model_spec node adds the measured plan
+
+
+@pytest.mark.parametrize(
+    ("path", "name", "flavor"),
+    [
+        ("examples/custom_model/tiny_gpt.py", "tiny_gpt", "tiny"),
+        ("tests/train/tiny_model.py", "tiny_dense", "debugmodel"),
+        ("tests/train/tiny_model.py", "tiny_moe", "debugmodel"),
+    ],
+)
+def test_user_models_flops_per_token_is_what_torch_counts(
+    path: str, name: str, flavor: str
+) -> None:
+    """The example's and the test models' analytic counts against torch's ``FlopCounterMode``
+    on a real forward + backward (matmuls and attention; no elementwise work, as the specs).
+
+    Both count attention over the full sequence (``is_causal`` halves neither); CPU SDPA's
+    fused backward also recomputes ``q·kᵀ``, ``2 · seq · dim`` per token and layer more
+    than the specs' backward = 2 × forward, added to the expected count.
+    """
+    import_custom_model(path=str(REPO / path))
+    spec = get_train_spec(name)
+    args = spec.flavors[flavor]
+    seq, batch = 32, 2
+    model = spec.build_model(args)
+    tokens = torch.randint(0, args.vocab_size, (batch, seq))
+    with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as counter:
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        if hasattr(model, "moe_aux_loss"):
+            loss = loss + model.moe_aux_loss()
+        loss.backward()
+    recompute = 2 * seq * args.dim * args.n_layers
+    expected = (spec.flops_per_token(args, seq) + recompute) * batch * seq
+    assert counter.get_total_flops() == pytest.approx(expected, rel=1e-9)

@@ -235,6 +235,21 @@ def test_resolve_job_config_reports_custom_import_failures(
         resolve_job_config(raw)
 
 
+def test_a_spec_without_flops_per_token_is_refused_at_resolution(tmp_path: Path) -> None:
+    """No fallback count: MFU, the plan's cost and the model card all read the spec's."""
+    path = _write_module(tmp_path, "no_flops", REGISTERS.format(name="no_flops"))
+    raw = {"model": {"name": "no_flops", "custom_model_path": str(path)}}
+    with pytest.raises(
+        ConfigError,
+        match=r"train spec 'no_flops' has no flops_per_token: give its TrainSpec "
+        r"flops_per_token=fn, where fn\(model_args, seq_len\)",
+    ):
+        resolve_job_config(raw)
+    spec = get_train_spec("no_flops")  # registered: only resolving (using) it is refused
+    with pytest.raises(ValueError, match="'no_flops' has no flops_per_token"):
+        spec.training_flops_per_token(None, 16)
+
+
 def test_resolve_job_config_imports_the_example_and_merges_its_extension() -> None:
     example = REPO / "examples" / "custom_model" / "tiny_gpt.py"
     raw = {"model": {"name": "tiny_gpt", "flavor": "tiny", "custom_model_path": str(example)}}

@@ -117,7 +117,9 @@ def test_a_run_stopped_early_validates_and_logs_its_last_step(
 
 PEAK_TFLOPS = 0.25
 # TinyArgs: dim 32, 2 layers, vocab 512; seq_len 32 → 6·(layers·(12·dim² + 2·seq·dim) + dim·vocab)
-TINY_FLOPS_PER_TOKEN = 6.0 * (2 * (12 * 32 * 32 + 2 * 32 * 32) + 32 * 512)
+TINY_FLOPS_PER_TOKEN = 6.0 * (2 * 12 * 32 * 32 + 32 * 512 + 32 * 4) + 12 * 2 * 32 * 32
+"""``tiny_moe`` (dim 32, 2 layers, vocab 512, 4 experts) at seq_len 32: 6 × (block matmul
+weights + output + router) + 12 · layers · dim · seq_len (attention)."""
 
 
 def test_metrics_validation_moe_hooks_and_weights(tmp_path: Path, token_dir: Path) -> None:

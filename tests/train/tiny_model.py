@@ -111,8 +111,20 @@ class TinyMoEDecoder(TinyDecoder):
 
 
 def tiny_flops_per_token(args: TinyArgs, seq_len: int) -> float:
-    per_layer = 12 * args.dim * args.dim + 2 * seq_len * args.dim
-    return 6.0 * (args.n_layers * per_layer + args.dim * args.vocab_size)
+    """Training FLOPs per token: 6 per matmul weight (2 forward, 4 backward) and attention.
+
+    Per block the matmul weights are ``qkv`` (3·dim²), ``proj`` (dim²), ``up`` and ``down``
+    (4·dim² each): 12·dim². Attention's ``q·kᵀ`` and ``scores·v`` cost 2·seq_len·dim
+    multiply-adds per token over the full sequence (causal halving not taken, the
+    built-in specs' convention), 2 FLOPs each, × 3 with the backward. The output
+    projection (dim·vocab) and, with the MoE hooks, the router (dim·n_experts) are
+    matmuls too; embeddings, positions, norms, biases and activations are not counted.
+    """
+    matmul = args.n_layers * 12 * args.dim * args.dim + args.dim * args.vocab_size
+    if args.moe_hooks:
+        matmul += args.dim * args.n_experts
+    attention = 12 * args.n_layers * args.dim * seq_len
+    return 6.0 * matmul + attention
 
 
 def register() -> None:

@@ -100,7 +100,7 @@ def model_card(spec: Any, model_args: Any, job_config: Any) -> dict[str, Any]:
         model = spec.build_model(model_args)
     counts = count_parameters(model)
     seq_len = job_config.training.seq_len
-    flops = spec.flops_per_token(model_args, seq_len) if spec.flops_per_token else None
+    flops = spec.training_flops_per_token(model_args, seq_len)
     extensions = {
         section: {
             name: getattr(getattr(job_config, section), name) for name in extension.model_fields

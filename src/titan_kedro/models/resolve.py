@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from titan_kedro.config.load import ConfigError, build_job_config, format_validation_error
 from titan_kedro.config.schema import JobConfig, ModelSection
 from titan_kedro.models.registry import get_train_spec, import_custom_model, list_train_specs
-from titan_kedro.models.spec import TrainSpec
+from titan_kedro.models.spec import TrainSpec, missing_flops_message
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,8 @@ def resolve_job_config(raw: Mapping[str, Any], *, source: str = "parameters") ->
     every mistake surfaces before any worker starts.
 
     Raises:
-        ConfigError: With the key path, the value and how to fix it.
+        ConfigError: With the key path, the value and how to fix it; also for a spec without
+            ``flops_per_token`` (every train spec must count its FLOPs).
     """
     # Only the keys that pick the spec: the spec's own model fields are checked with the rest.
     model_raw = dict(raw).get("model") or {}
@@ -102,6 +103,8 @@ def resolve_job_config(raw: Mapping[str, Any], *, source: str = "parameters") ->
     try:
         import_custom_model(model_section.custom_model_path, model_section.custom_import)
         spec = get_train_spec(model_section.name)
+        if spec.flops_per_token is None:  # no fallback: MFU, the plan and the card need it
+            raise ValueError(missing_flops_message(spec.name))
     except (ValueError, ImportError, FileNotFoundError) as err:
         raise ConfigError(f"invalid job config ({source}): {err}") from err
 

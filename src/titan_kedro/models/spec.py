@@ -60,11 +60,24 @@ class TrainSpec:
     state_dict_adapter: StateDictAdapter | None = None
     """Hugging Face ↔ ours; None if the family has no HF counterpart."""
     flops_per_token: Callable[[Any, int], float] | None = None
-    """``flops_per_token(args, seq_len)`` for training (forward + backward), for MFU."""
+    """``flops_per_token(args, seq_len)``: training FLOPs per token (forward + backward), the
+    one count the trainer's TFLOP/s and MFU, the plan's cost and the model card read
+    (through ``training_flops_per_token``). Required: ``resolve_job_config`` refuses a spec
+    without it (``missing_flops_message``); None only lets a spec be built and registered."""
     extensions: Mapping[str, type[BaseModel]] = field(default_factory=dict)
     """Job-config section → pydantic model of extra fields this family adds."""
     validate_config_fn: Callable[[Any, Any], None] | None = None
     """``validate_config_fn(job_config, model_args)`` raises ValueError on impossible combos."""
+
+    def training_flops_per_token(self, args: Any, seq_len: int) -> float:
+        """The spec's ``flops_per_token(args, seq_len)`` as a float; what every reader calls.
+
+        Raises:
+            ValueError: The spec has none (``missing_flops_message``).
+        """
+        if self.flops_per_token is None:
+            raise ValueError(missing_flops_message(self.name))
+        return float(self.flops_per_token(args, seq_len))
 
     def build_model(self, args: Any) -> nn.Module:
         """Instantiate the model for ``args`` (call under ``torch.device('meta')`` to size it)."""
@@ -102,3 +115,15 @@ class TrainSpec:
             return dataclasses.replace(args, **overrides)
         except (TypeError, ValueError) as err:
             raise ValueError(f"model.overrides for '{self.name}' are invalid: {err}") from err
+
+
+def missing_flops_message(name: str) -> str:
+    """What to do about a spec without ``flops_per_token`` (the resolution refuses it)."""
+    return (
+        f"train spec '{name}' has no flops_per_token: give its TrainSpec "
+        "flops_per_token=fn, where fn(model_args, seq_len) returns the training FLOPs per "
+        "token (forward + backward), e.g. 6 × the non-embedding matmul parameters a token "
+        "uses + 12 × n_layers × n_heads × head_dim × seq_len for attention's q·kᵀ and "
+        "scores·v (examples/custom_model/tiny_gpt.py); MFU, the plan's cost and the model "
+        "card read it"
+    )

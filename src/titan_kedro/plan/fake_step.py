@@ -36,7 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.fsdp import FSDPModule
+from torch.utils._pytree import tree_flatten
 
 from titan_kedro.models.parallel import autocast_dtype
 from titan_kedro.plan.known_values import KnownValues
@@ -308,6 +310,9 @@ def _per_micro_batch(totals: RooflineTotals, micro_batches: int) -> RooflineTota
         bytes=totals.bytes / micro_batches,
         time_s=totals.time_s / micro_batches,
         by_block={name: s / micro_batches for name, s in totals.by_block.items()},
+        block_flops={name: f / micro_batches for name, f in totals.block_flops.items()},
+        block_time_s={name: s / micro_batches for name, s in totals.block_time_s.items()},
+        after_backward_s=totals.after_backward_s / micro_batches,
     )
 
 
@@ -315,7 +320,12 @@ def _per_micro_batch(totals: RooflineTotals, micro_batches: int) -> RooflineTota
 def _block_hooks(
     model: nn.Module, roofline: RooflineCounter, inputs_seen: dict[str, int]
 ) -> Iterator[None]:
-    """Attribute forward roofline time to blocks and record each block's input size."""
+    """Attribute roofline FLOPs and time to blocks and record each block's input size.
+
+    A block's forward runs between its forward hooks; its backward (with any
+    recomputation) from its output's gradient to its input's: multi-gradient hooks on
+    those tensors, registered in the forward, tell the counter (``start_backward`` /
+    ``end_backward``)."""
     handles = []
     for name, block in model.layers.items():
 
@@ -324,9 +334,18 @@ def _block_hooks(
                 return  # a recomputation inside backward
             roofline.block = name
             inputs_seen[name] = args[0].numel() * args[0].element_size()
+            needing = _needing_grad(args)
+            if needing:
+                register_multi_grad_hook(needing, lambda _: roofline.end_backward(name))
 
-        def after(module: nn.Module, args: Any, output: Any) -> None:
+        def after(module: nn.Module, args: Any, output: Any, name: str = name) -> None:
             roofline.block = None
+            if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+                return
+            needing = _needing_grad(output)
+            if needing:
+                hook = lambda _: roofline.start_backward(name)  # noqa: E731
+                register_multi_grad_hook(needing, hook, mode="any")
 
         handles += [block.register_forward_pre_hook(before), block.register_forward_hook(after)]
     try:
@@ -334,3 +353,7 @@ def _block_hooks(
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _needing_grad(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.requires_grad]

@@ -145,11 +145,7 @@ def _measure(resolved: ResolvedJob) -> dict[str, Any]:
         figures[kind_] = {"bytes": per_rank[kind_], "method": method}
     reserved = cfg.plan.reserved_gib
     headroom = device.memory_gib - reserved - per_rank["total"] / GIB
-    flops_per_token = (
-        float(spec.flops_per_token(args, cfg.training.seq_len))
-        if spec.flops_per_token
-        else 6.0 * counts.active
-    )
+    flops_per_token = spec.training_flops_per_token(args, cfg.training.seq_len)
     tokens_per_step = cfg.global_batch_size * cfg.training.seq_len
     flops_per_step = flops_per_token * tokens_per_step
     step_time = flops_per_step / (world * device.peak_tflops * 1e12 * cfg.plan.assumed_mfu)

@@ -70,7 +70,16 @@ class RooflineTotals:
     bytes: float = 0.0
     time_s: float = 0.0
     by_block: dict[str, float] = field(default_factory=dict)
-    """Roofline seconds of each block's forward (``model.layers`` key)."""
+    """Roofline seconds of each block's forward (``model.layers`` key): what recomputing it
+    costs."""
+    block_flops: dict[str, float] = field(default_factory=dict)
+    """FLOPs of each block's whole work in the step: forward, backward and any recomputation."""
+    block_time_s: dict[str, float] = field(default_factory=dict)
+    """Roofline seconds of the same work (the rest of ``time_s`` is outside the blocks:
+    embedding, output head and loss, clipping, optimizer)."""
+    after_backward_s: float = 0.0
+    """Roofline seconds after the step's last backward: clipping and the optimizer step,
+    work in proportion to the parameters (and a few scalar reductions)."""
 
 
 class RooflineCounter(LocalOpMode):
@@ -91,6 +100,35 @@ class RooflineCounter(LocalOpMode):
         self.totals = RooflineTotals()
         self.block: str | None = None
         """The block whose forward is running (set by ``fake_step``'s block hooks)."""
+        self.backward_block: str | None = None
+        """The block whose backward (recomputation included) is running: from its output's
+        gradient to its input's (``start_backward`` / ``end_backward``)."""
+        self._clear_queued = False
+        self._after_backward = False
+
+    def start_backward(self, name: str) -> None:
+        """Block ``name``'s backward starts (its output's gradient is ready).
+
+        Blocks run one after another, so this ends the previous one's; the end of the
+        backward pass ends the last one, even if its input needs no gradient.
+        """
+        self.backward_block = name
+        if not self._clear_queued:
+            self._clear_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_pass)
+
+    def end_backward(self, name: str) -> None:
+        """Block ``name``'s backward ended (its input's gradient is computed)."""
+        if self.backward_block == name:
+            self.backward_block = None
+
+    def _end_backward_pass(self) -> None:
+        # What follows the last backward is the step's parameter work; an earlier
+        # micro-batch's count is dropped by the next backward's end.
+        self.backward_block = None
+        self._clear_queued = False
+        self._after_backward = True
+        self.totals.after_backward_s = 0.0
 
     def handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out = func(*args, **kwargs)
@@ -109,4 +147,11 @@ class RooflineCounter(LocalOpMode):
         self.totals.time_s += seconds
         if self.block is not None:
             self.totals.by_block[self.block] = self.totals.by_block.get(self.block, 0.0) + seconds
+        if self._after_backward:
+            self.totals.after_backward_s += seconds
+        owner = self.block if self.block is not None else self.backward_block
+        if owner is not None:
+            totals = self.totals
+            totals.block_flops[owner] = totals.block_flops.get(owner, 0.0) + flops
+            totals.block_time_s[owner] = totals.block_time_s.get(owner, 0.0) + seconds
         return out

@@ -19,6 +19,7 @@ from titan_kedro.plan.checkpoint_choice import BlockCost, choose_recompute
 from titan_kedro.plan.cuda_kernels import AttentionCorrection, cuda_attention
 from titan_kedro.plan.devices import GIB
 from titan_kedro.plan.fake_step import StepMeasurement, measure_step
+from titan_kedro.plan.roofline import RooflineTotals
 from titan_kedro.train.parallel_dims import ParallelDims
 
 FULL_STEP_MAX_BLOCKS = 8
@@ -106,18 +107,10 @@ class StepPlanner:
             if kind in parts:
                 added += full - parts[kind]
                 parts[kind] = full
-        per_block_s = 3 * small.roofline.by_block.get(last, 0.0)  # forward + 2× backward
-        roofline = dataclasses.replace(
-            small.roofline,
-            time_s=small.roofline.time_s + extra * per_block_s,
-            flops=small.roofline.flops * self.n_blocks / self.measured_blocks,
-            by_block={
-                **small.roofline.by_block,
-                **{
-                    str(i): small.roofline.by_block.get(last, 0.0)
-                    for i in range(self.measured_blocks, self.n_blocks)
-                },
-            },
+        measured_params = small.parts.get("params", 0)
+        params_ratio = self.sharded.params / measured_params if measured_params else 1.0
+        roofline = _extend_roofline(
+            small.roofline, last, range(self.measured_blocks, self.n_blocks), params_ratio
         )
         checkpointed = list(small.checkpointed)
         if checkpointed and last in checkpointed:
@@ -232,6 +225,38 @@ class StepPlanner:
             "rule": "activations at a forward/backward peak grow by the last measured "
             "block's saved bytes per missing block; params and optimizer state are the "
             "full sharded model's, gradients too at an optimizer peak (at a "
-            "forward/backward peak those alive belong to the blocks after it); roofline "
-            "adds 3× the last block's forward",
+            "forward/backward peak those alive belong to the blocks after it); FLOPs and "
+            "roofline time add the last measured block's (forward, backward and "
+            "recomputation, attributed by hooks on each block's forward and on its output's "
+            "and input's gradients) per missing block; the clipping and optimizer time after "
+            "the last backward grows with the sharded parameters; embedding, output head "
+            "and loss as measured",
         }
+
+
+def _extend_roofline(
+    measured: RooflineTotals, last: str, added: range, params_ratio: float
+) -> RooflineTotals:
+    """The roofline with the ``added`` blocks, each doing what block ``last`` did.
+
+    Only the blocks' work grows: each added block brings the last measured one's FLOPs and
+    roofline seconds (forward, backward and recomputation, attributed by the fake step's
+    block hooks). The embedding, output head and loss are kept as measured; the clipping
+    and optimizer time after the last backward grows with the parameters
+    (``params_ratio``: the full sharded model's over the measured one's; no FLOPs there).
+    """
+
+    def extended(per_block: dict[str, float]) -> dict[str, float]:
+        return {**per_block, **{str(i): per_block.get(last, 0.0) for i in added}}
+
+    blocks_s = len(added) * measured.block_time_s.get(last, 0.0)
+    params_s = (params_ratio - 1.0) * measured.after_backward_s
+    return dataclasses.replace(
+        measured,
+        flops=measured.flops + len(added) * measured.block_flops.get(last, 0.0),
+        time_s=measured.time_s + blocks_s + params_s,
+        by_block=extended(measured.by_block),
+        block_flops=extended(measured.block_flops),
+        block_time_s=extended(measured.block_time_s),
+        after_backward_s=measured.after_backward_s * params_ratio,
+    )

@@ -224,10 +224,7 @@ class Trainer:
     def _build_throughput(self) -> None:
         """FLOPs per token and tokens per step, for the throughput metrics."""
         cfg, seq_len = self.cfg, self.cfg.training.seq_len
-        flops = self.spec.flops_per_token
-        self.flops_per_token = (
-            float(flops(self.model_args, seq_len)) if flops else 6.0 * self.n_params
-        )
+        self.flops_per_token = self.spec.training_flops_per_token(self.model_args, seq_len)
         self.tokens_per_step_local = cfg.training.local_batch_size * seq_len * cfg.grad_accum_steps
         self.tokens_per_step_global = cfg.global_batch_size * seq_len
 

@@ -46,7 +46,7 @@ def build_model_spec(
         card["flavor"],
         _millions(params["total"]),
         _millions(params["active"]),
-        (card["flops_per_token"] or 0) / 1e9,
+        card["flops_per_token"] / 1e9,
         card["seq_len"],
         format_plan(card["plan"]),
     )
