@@ -11,6 +11,7 @@ from train.conftest import make_config
 
 from titan_kedro.components.lr_schedulers import build_lr_schedulers, schedule_phases
 from titan_kedro.components.optimizers import build_optimizers
+from titan_kedro.config import ConfigError
 
 PEAK, MIN = 1.0e-3, 1.0e-4
 
@@ -92,7 +93,13 @@ def test_state_round_trip_resumes_the_schedule() -> None:
 
 
 def test_min_lr_above_peak_is_rejected() -> None:
-    cfg = make_config(optimizer={"lr": 1e-4}, lr_scheduler={"min_lr": 1e-3})
+    with pytest.raises(ConfigError, match=r"lr_scheduler\.min_lr=0\.001 is above optimizer\.lr"):
+        make_config(optimizer={"lr": 1e-4}, lr_scheduler={"min_lr": 1e-3})
+    # A config changed without validation (model_copy) is still refused by the builder.
+    cfg = make_config(optimizer={"lr": 1e-4})
+    cfg = cfg.model_copy(
+        update={"lr_scheduler": cfg.lr_scheduler.model_copy(update={"min_lr": 1e-3})}
+    )
     with pytest.raises(ValueError, match="min_lr"):
         build_lr_schedulers(build_optimizers([nn.Linear(2, 2)], cfg), cfg)
 

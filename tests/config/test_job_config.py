@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 import yaml
+from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict
 
 from titan_kedro.config import (
@@ -154,6 +155,24 @@ def test_cli_overrides_parse_types_and_both_spellings() -> None:
         "optimizer": {"betas": [0.8, 0.9]},
         "job": {"name": "x"},
     }
+    # kedro run --params training.steps=5 (Kedro parses it with OmegaConf.from_dotlist) and
+    # the worker's --training.steps 5 both deliver ints, which the strict int fields take.
+    kedro = OmegaConf.to_container(
+        OmegaConf.from_dotlist(["training.steps=5", "lr_scheduler.warmup_steps=2"])
+    )
+    worker = parse_cli_overrides(["--training.steps", "5", "--lr_scheduler.warmup_steps=2"])
+    assert kedro == worker == {"training": {"steps": 5}, "lr_scheduler": {"warmup_steps": 2}}
+    assert build_job_config(kedro).training.steps == build_job_config(worker).training.steps == 5
+    # The edges of the checks below still validate: warm-up = steps, min_lr = lr, beta 0.
+    cfg = build_job_config(
+        {
+            "training": {"steps": 10},
+            "lr_scheduler": {"warmup_steps": 10, "min_lr": 8e-4},
+            "optimizer": {"lr": 8e-4, "betas": [0.0, 0.999]},
+            "fault_tolerance": {"lighthouse_address": "http://10.0.0.5:29510"},
+        }
+    )
+    assert cfg.optimizer.betas == (0.0, 0.999)
 
 
 def test_cli_rejects_positional_garbage() -> None:
@@ -190,7 +209,12 @@ def test_bad_files_fail_clearly(tmp_path: Path) -> None:
 
 def test_dump_round_trips_through_the_loader(tmp_path: Path) -> None:
     cfg = build_job_config(
-        {"training": {"steps": 5}, "parallelism": {"expert_parallel_degree": 1}}, EXT
+        {
+            "training": {"steps": 5},
+            "lr_scheduler": {"warmup_steps": 2},
+            "parallelism": {"expert_parallel_degree": 1},
+        },
+        EXT,
     )
     path = dump_job_config(cfg, tmp_path / "job.yaml")
     again = build_job_config(load_raw_config(path), EXT)
@@ -201,3 +225,43 @@ def test_flatten_gives_dotted_keys() -> None:
     flat = flatten(build_job_config({}).model_dump())
     assert flat["training.steps"] == JobConfig().training.steps
     assert "optimizer.lr" in flat
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        ({"optimizer": {"lr": float("inf")}}, r"'optimizer\.lr' = inf is invalid: .*finite"),
+        ({"optimizer": {"weight_decay": float("inf")}}, r"'optimizer\.weight_decay' = inf"),
+        ({"optimizer": {"eps": float("inf")}}, r"'optimizer\.eps' = inf"),
+        ({"optimizer": {"betas": [1.0, 0.95]}}, r"'optimizer\.betas\.0' = 1\.0 .*less than 1"),
+        ({"optimizer": {"betas": [0.9, -0.1]}}, r"'optimizer\.betas\.1' = -0\.1"),
+        (
+            {"optimizer": {"lr": 1e-3}, "lr_scheduler": {"min_lr": 1e-2}},
+            r"lr_scheduler\.min_lr=0\.01 is above optimizer\.lr=0\.001",
+        ),
+        (
+            {"training": {"steps": 10}, "lr_scheduler": {"warmup_steps": 11}},
+            r"lr_scheduler\.warmup_steps=11 is longer than the run \(training\.steps=10\)",
+        ),
+        ({"training": {"steps": True}}, r"'training\.steps' = True is invalid"),
+        ({"training": {"steps": "5"}}, r"'training\.steps' = '5' is invalid"),
+        ({"training": {"steps": 5.0}}, r"'training\.steps' = 5\.0 is invalid"),
+        ({"checkpoint": {"interval": "10"}}, r"'checkpoint\.interval' = '10'"),
+        ({"launch": {"nproc_per_node": True}}, r"'launch\.nproc_per_node' = True"),
+        ({"data": {"max_line_bytes": True}}, r"'data\.max_line_bytes' = True"),
+        *(
+            ({"fault_tolerance": {"lighthouse_address": address}}, rf"lighthouse_address.*{why}")
+            for address, why in [
+                ("localhost:29510", "scheme 'localhost' is not http"),
+                ("10.0.0.5:29510", "scheme 'missing' is not http"),
+                ("http://10.0.0.5", "port is missing"),
+                ("http://:29510", "host is missing"),
+                ("http://host:99999", "port is not a number"),
+                ("http://host:29510/quorum", "only http://host:port"),
+            ]
+        ),
+    ],
+)
+def test_settings_that_cannot_work_are_refused_naming_the_key(raw: dict, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        build_job_config(raw)

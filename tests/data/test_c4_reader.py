@@ -5,13 +5,15 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import time
 from pathlib import Path
 
 import pytest
 from conftest import write_c4_shard
 
+from titan_kedro.config.schema import DataSection
 from titan_kedro.data.bad_input import BadInputError, SkipReport
-from titan_kedro.data.c4_reader import read_documents
+from titan_kedro.data.c4_reader import DEFAULT_MAX_LINE_BYTES, read_documents
 
 
 def _texts(path: Path) -> list[str]:
@@ -141,3 +143,45 @@ def test_highly_compressible_lines_are_read_whole(tmp_path: Path) -> None:
     read, _, report = _read(path)
     assert read == texts
     assert report.damage == [] and report.skipped == 0
+
+
+def _timed_read(path: Path, **kwargs: int) -> tuple[list[str], SkipReport, float]:
+    start = time.perf_counter()
+    texts, _, report = _read(path, **kwargs)
+    return texts, report, time.perf_counter() - start
+
+
+def test_a_64_mib_line_is_skipped_and_counted_in_linear_time(tmp_path: Path) -> None:
+    assert DataSection().max_line_bytes == DEFAULT_MAX_LINE_BYTES
+    path = tmp_path / "huge.json"
+    with path.open("wb") as fh:
+        fh.write(b'{"text": "before"}\n{"text": "')
+        fh.write(b"a" * (64 << 20))
+        fh.write(b'"}\n{"text": "after"}\n')
+    texts, report, seconds = _timed_read(path)
+    assert texts == ["before", "after"]
+    assert report.by_reason == {"line_too_long": 1} and report.examples == {"line_too_long": [2]}
+    assert seconds < 3.0, f"{seconds:.1f} s"
+    # The limit is the setting's: a lower one skips an ordinary line too.
+    texts, report, _ = _timed_read(path, max_line_bytes=12)
+    assert texts == [] and report.by_reason == {"line_too_long": 3}
+
+
+def test_a_gzip_bomb_line_without_newlines_is_skipped_quickly(tmp_path: Path) -> None:
+    path = tmp_path / "zeros.json.gz"
+    path.write_bytes(gzip.compress(b'{"text": "ok"}\n' + b"\0" * (64 << 20), compresslevel=9))
+    assert path.stat().st_size < 100_000
+    texts, report, seconds = _timed_read(path)
+    assert texts == ["ok"] and report.by_reason == {"line_too_long": 1}
+    assert seconds < 3.0, f"{seconds:.1f} s"
+
+
+def test_a_100000_deep_json_line_is_skipped_and_counted(tmp_path: Path) -> None:
+    deep = b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    brackets_in_text = json.dumps({"text": "[" * 500 + "{" * 500}).encode()
+    path = tmp_path / "deep.json"
+    path.write_bytes(b"\n".join([deep, brackets_in_text, b'{"text": "fine"}']) + b"\n")
+    texts, report, seconds = _timed_read(path)
+    assert texts == ["[" * 500 + "{" * 500, "fine"]  # brackets inside a string do not nest
+    assert report.by_reason == {"too_deep": 1} and report.examples == {"too_deep": [1]}
+    assert seconds < 2.0, f"{seconds:.1f} s"

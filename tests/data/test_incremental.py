@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import write_c4_shard
 from data_helpers import offline_tokenizer
 
 from titan_kedro.data import batch_encoding
 from titan_kedro.data.bad_input import BadInputError
-from titan_kedro.data.shard_store import ShardStore
+from titan_kedro.data.shard_store import ManifestPathError, ShardStore
 from titan_kedro.data.shard_tokenizing import tokenize_sources
 from titan_kedro.data.sources import ShardFile
 
@@ -126,3 +128,42 @@ def test_max_documents_stops_early(tmp_path: Path) -> None:
     write_c4_shard(raw / "c4-train.00002.json.gz", 20, seed=2)
     entries = _run(raw, ShardStore(tmp_path / "inter"), max_documents=30)
     assert [e["documents"] for e in entries] == [20, 10]
+
+
+@pytest.mark.parametrize(
+    "recorded", ["../victim", "{victim}", "shards/../../victim", ".", "shards"]
+)
+def test_a_manifest_folder_outside_the_shards_is_refused_not_deleted(
+    tmp_path: Path, recorded: str
+) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep me")
+    root = tmp_path / "inter"
+    root.mkdir()
+    store = ShardStore(root)
+    folder = recorded.format(victim=victim)
+    entry = {"key": "old", "name": "c4-a.json", "folder": folder, "documents": 0, "tokens": 0}
+    store.manifest_path.write_text(json.dumps({"format": 1, "shards": {"old": entry}}))
+
+    with pytest.raises(ManifestPathError, match=r"manifest.json: entry 'old' names folder"):
+        store.lookup("old")
+    with pytest.raises(ManifestPathError, match="refusing to read or delete"):
+        store.read(entry)
+    # Committing a new version of the same source used to delete the old entry's folder.
+    writer = store.writer("new", "c4-a.json")
+    writer.append(np.array([1, 2], dtype=np.uint32), np.array([2], dtype=np.uint32), np.zeros(1))
+    with pytest.raises(ManifestPathError, match=r"entry 'old' names folder"):
+        store.commit(writer, {"key": "new", "name": "c4-a.json"})
+    assert (victim / "precious.txt").read_text() == "keep me"
+    assert root.is_dir() and (root / "shards").is_dir()
+
+
+def test_an_empty_shard_is_recorded_as_damage_and_the_others_go_on(tmp_path: Path) -> None:
+    raw = tmp_path / "raw"
+    write_c4_shard(raw / "c4-train.00000.json.gz", 40)
+    (raw / "c4-train.00001.json").write_bytes(b"")
+    entries = _run(raw, ShardStore(tmp_path / "inter"))
+    assert [e["documents"] for e in entries] == [40, 0]
+    assert entries[0]["damage"] == []
+    assert entries[1]["damage"] == ["the shard holds no records (an empty file); nothing was read"]

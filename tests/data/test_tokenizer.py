@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from titan_kedro.data import tokenizer_files
-from titan_kedro.data.tokenizer import Tokenizer, build_tokenizer
+from titan_kedro.data.tokenizer import Tokenizer, TokenizerFileError, build_tokenizer
 
 
 @pytest.fixture
@@ -245,3 +245,20 @@ def test_offline_tokenizer_is_pinned_and_a_tampered_copy_is_refused(
         tokenizer_files.offline_tokenizer_folder()
     assert not list((tmp_path / "cache" / "tokenizers").glob("deepseek-v2-*"))  # nothing cached
     sys.modules.pop("tampered_counter", None)
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [("tokenizer.json", "{not json"), ("tokenizer.json", '{"model": 3}'),
+     ("tokenizer_config.json", "{not json")],
+)  # fmt: skip
+def test_a_corrupt_tokenizer_file_names_the_file_and_the_fix(
+    tokenizer: Tokenizer, tmp_path: Path, name: str, content: str
+) -> None:
+    tokenizer.save(tmp_path / "tok")
+    (tmp_path / "tok" / name).write_text(content)
+    with pytest.raises(TokenizerFileError) as err:
+        build_tokenizer(str(tmp_path / "tok"))
+    message = str(err.value)
+    assert str(tmp_path / "tok" / name) in message
+    assert "tokenizer.name_or_path" in message and "download it again" in message

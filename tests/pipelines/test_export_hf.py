@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from titan_kedro.data.tokenizer import build_tokenizer
 from titan_kedro.models import get_train_spec
+from titan_kedro.models.export_folder import MARKER, ExportFolderError, recover
 from titan_kedro.models.hf_export import compare_logits, export_hf_folder
 from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.pipelines.export_hf import nodes as export_nodes
@@ -96,7 +97,8 @@ def test_export_loads_with_auto_classes_and_matches_our_logits(
     )
 
 
-def test_large_weights_are_sharded_with_an_index(tmp_path: Path, tokenizer: Any) -> None:
+@pytest.fixture(scope="module")
+def tiny_llama() -> tuple[Any, Any, torch.nn.Module]:
     spec = get_train_spec("llama3")
     args = spec.resolve_args(
         "debugmodel",
@@ -109,7 +111,63 @@ def test_large_weights_are_sharded_with_an_index(tmp_path: Path, tokenizer: Any)
             "max_seq_len": 64,
         },
     )
-    model = build_model(spec, args, 0, torch.device("cpu")).eval()
+    return spec, args, build_model(spec, args, 0, torch.device("cpu")).eval()
+
+
+def _export(tiny: tuple[Any, Any, torch.nn.Module], folder: Path, **kwargs: Any) -> list[Path]:
+    spec, args, model = tiny
+    return export_hf_folder(model, spec, args, folder, **kwargs)
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_export_refuses_a_folder_that_is_not_an_export_and_deletes_nothing(
+    tmp_path: Path, tiny_llama: tuple[Any, Any, torch.nn.Module]
+) -> None:
+    # export.folder=data/06_models: the folder that holds the run's checkpoints.
+    models = tmp_path / "data" / "06_models"
+    (models / "checkpoints" / "run" / "step-4").mkdir(parents=True)
+    (models / "checkpoints" / "run" / "step-4" / "metadata.json").write_text("{}")
+    (models / "model_spec.json").write_text("{}")
+    before = _tree(models)
+    with pytest.raises(ExportFolderError, match=rf"refusing to replace .*06_models.*no {MARKER}"):
+        _export(tiny_llama, models)
+    assert _tree(models) == before
+    assert sorted(p.name for p in models.parent.iterdir()) == ["06_models"]  # no staging left
+
+
+def test_re_export_replaces_a_previous_export_but_not_files_added_to_it(
+    tmp_path: Path, tiny_llama: tuple[Any, Any, torch.nn.Module]
+) -> None:
+    folder = tmp_path / "hf"
+    _export(tiny_llama, folder, model_card="# one\n")
+    files = _export(tiny_llama, folder, model_card="# two\n")
+    assert (folder / "README.md").read_text() == "# two\n"
+    assert {p.name for p in files} <= set(json.loads((folder / MARKER).read_text())["files"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no aside or staging left
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(ExportFolderError, match=r"did not write \(notes.txt\)"):
+        _export(tiny_llama, folder)
+    assert (folder / "notes.txt").read_text() == "mine" and (folder / "README.md").is_file()
+
+
+def test_an_export_interrupted_between_its_renames_is_put_back(
+    tmp_path: Path, tiny_llama: tuple[Any, Any, torch.nn.Module]
+) -> None:
+    folder = tmp_path / "hf"
+    _export(tiny_llama, folder, model_card="# old\n")
+    folder.rename(tmp_path / ".hf.previous")  # the crash: old one aside, new one not in yet
+    recover(folder)
+    assert (folder / "README.md").read_text() == "# old\n"
+    assert not (tmp_path / ".hf.previous").exists()
+
+
+def test_large_weights_are_sharded_with_an_index(
+    tmp_path: Path, tiny_llama: tuple[Any, Any, torch.nn.Module]
+) -> None:
+    spec, args, model = tiny_llama
     files = export_hf_folder(model, spec, args, tmp_path / "hf", max_shard_gib=100_000 / 2**30)
     shards = [p for p in files if p.suffix == ".safetensors"]
     assert len(shards) > 1 and not (tmp_path / "hf" / "model.safetensors").exists()

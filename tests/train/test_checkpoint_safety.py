@@ -318,3 +318,40 @@ def test_one_resolution_reads_the_checkpoint_metadata_once(
     workers = prepare_run(cfg, None, RUN_A)  # finds latest, checks run id, maths, schedule
     assert workers.checkpoint.resume == str(root / RUN_A / "step-4")
     assert reads == [root / RUN_A / "step-4" / METADATA]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_stray_tmp_file_beside_checkpoints_is_left_alone_and_saves_work(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    from titan_kedro.train.checkpoint.manager import CheckpointManager, ModelState
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    # The run lock's temporary file after a kill, a user's file and folder: none are ours.
+    strays = {"writer.lock.4242.tmp": "{}", "notes.tmp": "mine", "step-x.deleting": "mine"}
+    for name, text in strays.items():
+        (folder / name).write_text(text)
+    (folder / "backup.tmp").mkdir()
+    (folder / "backup.tmp" / "keep").write_text("mine")
+    (folder / "step-5.tmp").mkdir()  # an interrupted save of ours: swept
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        manager = CheckpointManager(
+            folder,
+            {"model": ModelState([nn.Linear(2, 2)])},
+            per_rank_state=dict,
+            restore_per_rank=lambda entry, same_world: None,
+            keep_latest_k=1,
+        )
+        assert manager.save(1) == folder / "step-1"
+        assert manager.save(2) == folder / "step-2"
+    finally:
+        dist.destroy_process_group()
+    assert (folder / "step-2" / METADATA).is_file() and not (folder / "step-1").exists()
+    for name, text in strays.items():
+        assert (folder / name).read_text() == text
+    assert (folder / "backup.tmp" / "keep").read_text() == "mine"
+    assert not (folder / "step-5.tmp").exists()

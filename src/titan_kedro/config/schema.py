@@ -111,6 +111,7 @@ class JobConfig(BaseModel):
                 "or make the product equal the world size"
             )
         self._check_fault_tolerance()
+        self._check_schedule()
         dp = self.dp_degree
         gbs = self.training.global_batch_size
         if gbs is not None and gbs % (self.training.local_batch_size * dp):
@@ -121,6 +122,24 @@ class JobConfig(BaseModel):
         if self.model.custom_model_path and self.model.custom_import:
             raise ValueError("set only one of model.custom_model_path and model.custom_import")
         return self
+
+    def _check_schedule(self) -> None:
+        schedule, lr, steps = self.lr_scheduler, self.optimizer.lr, self.training.steps
+        if schedule.min_lr > lr:
+            raise ValueError(
+                f"lr_scheduler.min_lr={schedule.min_lr} is above optimizer.lr={lr}, the peak it "
+                "decays from; lower lr_scheduler.min_lr (0 decays to zero) or raise optimizer.lr"
+            )
+        # Warmup step n runs at lr * n / warmup_steps. A warmup of exactly training.steps
+        # runs as written (the last step reaches optimizer.lr, no decay follows); a longer
+        # one used to be squeezed into the run (a steeper ramp than configured) unnoticed.
+        if schedule.warmup_steps > steps:
+            raise ValueError(
+                f"lr_scheduler.warmup_steps={schedule.warmup_steps} is longer than the run "
+                f"(training.steps={steps}), so the configured warm-up cannot run; "
+                f"set lr_scheduler.warmup_steps to at most {steps} (e.g. --params "
+                f"lr_scheduler.warmup_steps={max(steps // 10, 0)}) or raise training.steps"
+            )
 
     def _check_fault_tolerance(self) -> None:
         ft = self.fault_tolerance

@@ -15,6 +15,8 @@ SKIP_REASONS = {
     "empty_text": "the text is empty or shorter than data.min_chars",
     "invalid_utf8": "the line is not valid UTF-8 (or the text holds a lone surrogate escape)",
     "truncated": "the last line was cut off by a truncated file",
+    "line_too_long": "the line is longer than data.max_line_bytes (dropped unread)",
+    "too_deep": "the line's JSON nests arrays/objects deeper than the reader allows",
 }
 _LOGGED_PER_SOURCE = 10
 _EXAMPLES_PER_REASON = 5

@@ -3,15 +3,24 @@
 Every bad record is skipped and counted in a ``SkipReport`` with its line number. A
 truncated gzip stream keeps its readable prefix and is reported as damage; corrupt gzip
 data (a deflate or CRC error) is fatal damage, since wrong text may already have decoded.
+
+One line can neither crash nor stall the reader: the file is read in bounded chunks and a
+line is assembled only up to ``max_line_bytes`` (a longer one is dropped as it streams
+past and counted as ``line_too_long``), so reading costs time linear in the file and
+memory bounded by the limit; a line nested deeper than ``MAX_JSON_DEPTH`` is counted as
+``too_deep`` before ``json`` would recurse into it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from titan_kedro.data.bad_input import SkipReport
 
@@ -19,6 +28,17 @@ from titan_kedro.data.bad_input import SkipReport
 _CHUNK = 1 << 16
 _MAX_OUT = 1 << 16
 _GZIP_MAGIC = b"\x1f\x8b"
+
+DEFAULT_MAX_LINE_BYTES = 8 << 20
+"""Default of ``data.max_line_bytes``, 8 MiB: C4 documents are at most a few hundred KB of
+text, and even JSON-escaped as ``\\uXXXX`` (6 bytes a character) stay far below it."""
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays/objects a line may have (a C4 record has depth 1); deeper
+lines are skipped before ``json`` parses them (it would raise ``RecursionError``)."""
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_OPEN = np.zeros(256, dtype=np.int8)
+_OPEN[[ord("["), ord("{")]] = 1
+_OPEN[[ord("]"), ord("}")]] = -1
 
 
 class Document(NamedTuple):
@@ -34,6 +54,7 @@ def read_documents(
     *,
     min_chars: int = 1,
     on_bytes: Callable[[int], None] | None = None,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
 ) -> Iterator[Document]:
     """Yield the documents of one shard, counting every skipped line in ``report``.
 
@@ -42,8 +63,15 @@ def read_documents(
         report: Receives the counts of kept and skipped records and any file damage.
         min_chars: Texts shorter than this after stripping are skipped as ``empty_text``.
         on_bytes: Called with the number of (compressed) file bytes read, for progress bars.
+        max_line_bytes: Longer lines (decompressed bytes, without the newline) are skipped
+            as ``line_too_long`` without being assembled.
     """
-    for line_no, raw, complete in _lines(Path(path), report, on_bytes):
+    for line_no, raw, complete in _lines(Path(path), report, on_bytes, max_line_bytes):
+        if raw is None:
+            report.skip(
+                "line_too_long", line_no, f"longer than data.max_line_bytes={max_line_bytes}"
+            )
+            continue
         if not raw.strip():
             continue
         text = _text_of_line(raw, line_no, report, min_chars, cut_off=not complete)
@@ -79,29 +107,75 @@ def _text_of_line(
             "truncated" if cut_off else "invalid_utf8", line, f"bad byte at offset {err.start}"
         )
         return None
+    depth = json_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        report.skip("too_deep", line, f"nested {depth} deep, more than {MAX_JSON_DEPTH}")
+        return None
     try:
         record = json.loads(decoded)
+    except RecursionError:  # unreachable below MAX_JSON_DEPTH; never let it end the stage
+        report.skip("too_deep", line, "json recursion limit")
+        return None
     except json.JSONDecodeError as err:
         report.skip("truncated" if cut_off else "invalid_json", line, str(err))
         return None
     return text_of_record(record, line, report, min_chars=min_chars)
 
 
+def json_depth(raw: bytes) -> int:
+    """Deepest ``[``/``{`` nesting of a JSON line, brackets inside strings not counted.
+
+    Linear and cheap: a line with few brackets is answered by counting them; otherwise
+    strings are removed with one regular expression and the depth is a cumulative sum.
+    """
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return 0  # cannot be deeper than the limit (the exact depth is not needed)
+    bare = _STRING.sub(b"", raw)
+    steps = _OPEN[np.frombuffer(bare, dtype=np.uint8)]
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
+
+
 def _lines(
-    path: Path, report: SkipReport, on_bytes: Callable[[int], None] | None
-) -> Iterator[tuple[int, bytes, bool]]:
-    """``(line number, bytes, complete)``; ``complete`` is False only for a cut-off last line."""
+    path: Path,
+    report: SkipReport,
+    on_bytes: Callable[[int], None] | None,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+) -> Iterator[tuple[int, bytes | None, bool]]:
+    """``(line number, bytes, complete)``; ``complete`` is False only for a cut-off last line.
+
+    The bytes are None for a line longer than ``max_line_bytes``: its bytes are dropped as
+    they arrive, so neither time nor memory grows with such a line beyond one chunk.
+    """
     damaged: list[bool] = [False]
-    pending = b""
+    pending = bytearray()
+    too_long = False
     line_no = 0
     for chunk in _chunks(path, report, on_bytes, damaged):
-        parts = (pending + chunk).split(b"\n")
-        pending = parts.pop()
-        for part in parts:
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
             line_no += 1
-            yield line_no, part, True
-    if pending:
-        yield line_no + 1, pending, not damaged[0]
+            if not too_long and len(pending) + end - start > max_line_bytes:
+                too_long = True
+            if too_long:
+                yield line_no, None, True
+            elif pending:
+                pending += chunk[start:end]
+                yield line_no, bytes(pending), True
+            else:
+                yield line_no, chunk[start:end], True
+            pending.clear()
+            too_long = False
+            start = end + 1
+        if not too_long:
+            if len(pending) + len(chunk) - start > max_line_bytes:
+                too_long = True
+                pending = bytearray()
+            else:
+                pending += chunk[start:]
+    if too_long:
+        yield line_no + 1, None, not damaged[0]
+    elif pending:
+        yield line_no + 1, bytes(pending), not damaged[0]
 
 
 def _chunks(

@@ -6,6 +6,10 @@ and text hashes (``hashes.bin``, ``uint64``, for the split). ``manifest.json`` m
 — a hash of the source's name, size and mtime and the tokenizer fingerprint — to the
 shard's counts. An entry is written only once its files are complete, so an interrupted
 run, or one that finds new shards, processes only what is not in the manifest yet.
+
+A manifest entry's ``folder`` is read from a file, so it is never trusted: before a shard
+is read or removed, its folder is resolved and must be a folder directly under
+``<root>/shards`` (``ManifestPathError`` otherwise, naming the manifest and the entry).
 """
 
 from __future__ import annotations
@@ -45,6 +49,10 @@ def shard_key(identity: dict[str, Any], tokenizer_fingerprint: str) -> str:
         {"format": _FORMAT, "source": identity, "tokenizer": tokenizer_fingerprint}, sort_keys=True
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+class ManifestPathError(ValueError):
+    """A manifest entry names a folder outside ``<root>/shards``; nothing was read or removed."""
 
 
 class ShardTokens(NamedTuple):
@@ -129,7 +137,7 @@ class ShardStore:
         entry = self.manifest().get(key)
         if entry is None:
             return None
-        folder = self.folder_of(entry)
+        folder = self.folder_of(entry, key=key)
         expected = {
             TOKENS_FILE: entry["tokens"] * TOKEN_DTYPE.itemsize,
             LENGTHS_FILE: entry["documents"] * LENGTH_DTYPE.itemsize,
@@ -165,14 +173,31 @@ class ShardStore:
         shards = self.manifest()
         for old_key, old in list(shards.items()):
             if old["name"] == entry["name"] and old_key != entry["key"]:
-                shutil.rmtree(self.folder_of(old), ignore_errors=True)
+                shutil.rmtree(self.folder_of(old, key=old_key), ignore_errors=True)
                 del shards[old_key]
         shards[entry["key"]] = entry
         write_json_atomic(self.manifest_path, {"format": _FORMAT, "shards": shards})
         return entry
 
-    def folder_of(self, entry: dict[str, Any]) -> Path:
-        return self.root / entry["folder"]
+    def folder_of(self, entry: dict[str, Any], *, key: str | None = None) -> Path:
+        """The entry's shard folder, resolved and checked to lie directly under ``root/shards``.
+
+        Raises:
+            ManifestPathError: The recorded ``folder`` is absolute, climbs out (``..``), goes
+                through a link leading elsewhere, or is not one shard folder down.
+        """
+        recorded = entry.get("folder")
+        shards = (self.root / "shards").resolve()
+        folder = (self.root / recorded).resolve() if isinstance(recorded, str) else None
+        if folder is None or folder.parent != shards:
+            name = key or entry.get("key") or entry.get("name") or "?"
+            raise ManifestPathError(
+                f"{self.manifest_path}: entry {name!r} names folder {recorded!r}, which is "
+                f"not a shard folder inside {shards}; refusing to read or delete it. The "
+                "manifest was edited or damaged: delete it (and the shards/ folder beside it) "
+                "to re-tokenize every shard"
+            )
+        return folder
 
     def read(self, entry: dict[str, Any]) -> ShardTokens:
         """A shard's token files (tokens memory-mapped; lengths and hashes in memory)."""

@@ -4,7 +4,8 @@ Memory stays flat as the corpus grows: documents stream from disk in batches, at
 few batches are in flight, and each shard's tokens go straight to its files. Shards the
 manifest already holds (same name, size, mtime and tokenizer) are not redone; a shard
 whose skipped share is above ``max_bad_fraction`` fails the run without being recorded,
-while the shards before it stay recorded.
+while the shards before it stay recorded. A shard with no records at all is recorded with
+that as its (non-fatal) damage.
 """
 
 from __future__ import annotations
@@ -133,6 +134,11 @@ def _tokenize_one(
             texts = (doc.text for doc in docs)
             for batch in encoder.map(_batched(texts, batch_size)):
                 writer.append(batch.ids, batch.lengths, batch.hashes)
+        if not report.records and not report.damage:
+            # Not an error: one empty file (say, an interrupted download) must not end a
+            # corpus run, but it is recorded (metadata sources[].damage) and logged. A corpus
+            # with no documents at all still fails when it is split (plan_split).
+            report.add_damage("the shard holds no records (an empty file); nothing was read")
         report.check(max_bad_fraction)
     except BaseException:
         writer.abort()

@@ -14,7 +14,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from titan_kedro.data.bad_input import SkipReport
-from titan_kedro.data.c4_reader import Document, read_documents, text_of_record
+from titan_kedro.data.c4_reader import (
+    DEFAULT_MAX_LINE_BYTES,
+    Document,
+    read_documents,
+    text_of_record,
+)
 from titan_kedro.data.hub import hub_offline, hub_reachable
 
 logger = logging.getLogger(__name__)
@@ -79,6 +84,8 @@ class ShardFile:
     name: str
     size: int
     mtime_ns: int
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    """Longer lines are skipped as ``line_too_long`` (``data.max_line_bytes``)."""
 
     @classmethod
     def from_path(cls, path: str | Path, name: str | None = None) -> ShardFile:
@@ -88,7 +95,10 @@ class ShardFile:
         return cls(path=p, name=name or p.name, size=stat.st_size, mtime_ns=stat.st_mtime_ns)
 
     def cache_identity(self) -> dict[str, Any]:
-        return {"kind": "file", "name": self.name, "size": self.size, "mtime_ns": self.mtime_ns}
+        identity = {"kind": "file", "name": self.name, "size": self.size, "mtime_ns": self.mtime_ns}
+        if self.max_line_bytes != DEFAULT_MAX_LINE_BYTES:  # it decides which lines are kept
+            identity["max_line_bytes"] = self.max_line_bytes
+        return identity
 
     def describe(self) -> dict[str, Any]:
         """Recorded once, when the shard is processed (the manifest keeps it for reruns)."""
@@ -110,7 +120,13 @@ class ShardFile:
     def documents(
         self, report: SkipReport, *, min_chars: int, on_bytes: Callable[[int], None] | None = None
     ) -> Iterator[Document]:
-        return read_documents(self.path, report, min_chars=min_chars, on_bytes=on_bytes)
+        return read_documents(
+            self.path,
+            report,
+            min_chars=min_chars,
+            on_bytes=on_bytes,
+            max_line_bytes=self.max_line_bytes,
+        )
 
 
 @dataclass(frozen=True)

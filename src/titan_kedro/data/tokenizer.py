@@ -39,6 +39,8 @@ def build_tokenizer(name_or_path: str = DEFAULT_TOKENIZER) -> Tokenizer:
 
     Raises:
         FileNotFoundError: No source had the files; the message says how to fix it.
+        TokenizerFileError: ``tokenizer.json`` (or a config file) is there but unreadable;
+            the message names the file and how to fix it.
         ValueError: The tokenizer defines no BOS or EOS token.
     """
     return Tokenizer(resolve_tokenizer_files(name_or_path))
@@ -60,11 +62,11 @@ class Tokenizer:
         self.files = files
         self.name = files.name
         self.source = files.source
-        self._backend = tokenizers.Tokenizer.from_file(str(files.folder / TOKENIZER_FILE))
+        self._backend = _load_backend(files)
         # Literal special-token strings inside a document are encoded as ordinary text.
         self._backend.encode_special_tokens = True
-        self._config = _read_json(files.folder / CONFIG_FILE)
-        special = _read_json(files.folder / SPECIAL_TOKENS_FILE)
+        self._config = _read_json(files.folder / CONFIG_FILE, files)
+        special = _read_json(files.folder / SPECIAL_TOKENS_FILE, files)
         special.update({k: v for k, v in self._config.items() if v is not None})
         self.bos_token = self._special_token(special, "bos_token")
         self.eos_token = self._special_token(special, "eos_token")
@@ -172,10 +174,37 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+class TokenizerFileError(ValueError):
+    """A tokenizer file exists but cannot be read; the message names it and how to fix it."""
+
+
+def _fix(files: TokenizerFiles) -> str:
+    return (
+        f"(tokenizer.name_or_path={files.name!r}, found in the {files.source}). The file is "
+        "damaged or not a Hugging Face fast-tokenizer file: download it again (for a hub id, "
+        "delete it from the Hugging Face cache so it is fetched anew), or point "
+        "tokenizer.name_or_path at a folder with a valid one"
+    )
+
+
+def _load_backend(files: TokenizerFiles) -> tokenizers.Tokenizer:
+    path = files.folder / TOKENIZER_FILE
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as err:  # the tokenizers library raises a bare Exception
+        raise TokenizerFileError(f"cannot load {path}: {err} {_fix(files)}") from err
+
+
+def _read_json(path: Path, files: TokenizerFiles) -> dict[str, Any]:
     if not path.is_file():
         return {}
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise TokenizerFileError(f"cannot read {path}: {err} {_fix(files)}") from err
+    if not isinstance(data, dict):
+        raise TokenizerFileError(f"{path} holds no JSON object {_fix(files)}")
+    return data
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

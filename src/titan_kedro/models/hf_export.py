@@ -3,15 +3,15 @@
 Generic over train specs: the spec's ``state_dict_adapter`` maps the weight names and
 builds the transformers config; this module writes ``config.json``,
 ``generation_config.json``, ``model.safetensors`` (or shards plus an index), the
-tokenizer files and a model card, into a temporary folder that replaces the target only
-when complete. ``compare_logits`` loads the folder back with transformers and measures
-how far its logits are from ours.
+tokenizer files and a model card, into a fresh sibling folder that replaces the target
+only when complete, and only when the target is a previous export (``export_folder``).
+``compare_logits`` loads the folder back with transformers and measures how far its
+logits are from ours.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from torch import nn
+
+from titan_kedro.models import export_folder
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -108,6 +110,36 @@ def _write_weights(
     return [*written, index_file]
 
 
+def _write_export(
+    model: nn.Module,
+    spec: Any,
+    args: Any,
+    staging: Path,
+    *,
+    tokenizer: Any,
+    model_card: str | None,
+    dtype: torch.dtype,
+    max_shard_gib: float,
+) -> list[Path]:
+    from transformers import GenerationConfig
+
+    bos_id = getattr(tokenizer, "bos_id", None)
+    eos_id = getattr(tokenizer, "eos_id", None)
+    config = hf_config(spec, args, dtype=dtype, bos_id=bos_id, eos_id=eos_id)
+    config.save_pretrained(staging)
+    GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id).save_pretrained(staging)
+    written = [staging / "config.json", staging / "generation_config.json"]
+    written += _write_weights(
+        hf_state_dict(model, spec, dtype), staging, int(max_shard_gib * 2**30)
+    )
+    if tokenizer is not None:
+        written += [Path(p) for p in tokenizer.save(staging)]
+    if model_card is not None:
+        (staging / "README.md").write_text(model_card, encoding="utf-8")
+        written.append(staging / "README.md")
+    return written
+
+
 def export_hf_folder(
     model: nn.Module,
     spec: Any,
@@ -126,7 +158,8 @@ def export_hf_folder(
         spec: Its ``TrainSpec``; ``spec.state_dict_adapter`` does the mapping.
         args: Its model args (``vocab_size`` is the padded embedding size, which is what
             the config must say).
-        folder: Target folder (created; an existing one is replaced).
+        folder: Target folder (created; a previous export there is replaced, anything else
+            is refused, see ``export_folder``).
         tokenizer: Anything with ``save(folder)``, ``bos_id`` and ``eos_id`` (our
             ``Tokenizer``); None exports weights only.
         model_card: Text of ``README.md``.
@@ -135,33 +168,29 @@ def export_hf_folder(
 
     Returns:
         The files written, relative paths resolved under ``folder``.
-    """
-    from transformers import GenerationConfig
 
+    Raises:
+        export_folder.ExportFolderError: ``folder`` exists and is not a previous export (it has no
+            export marker, or holds entries its marker does not list); nothing is deleted.
+    """
     require_adapter(spec)
     target = Path(folder)
-    staging = target.with_name(target.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    bos_id = getattr(tokenizer, "bos_id", None)
-    eos_id = getattr(tokenizer, "eos_id", None)
-
-    config = hf_config(spec, args, dtype=dtype, bos_id=bos_id, eos_id=eos_id)
-    config.save_pretrained(staging)
-    GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id).save_pretrained(staging)
-    written = [staging / "config.json", staging / "generation_config.json"]
-    written += _write_weights(
-        hf_state_dict(model, spec, dtype), staging, int(max_shard_gib * 2**30)
-    )
-    if tokenizer is not None:
-        written += [Path(p) for p in tokenizer.save(staging)]
-    if model_card is not None:
-        (staging / "README.md").write_text(model_card, encoding="utf-8")
-        written.append(staging / "README.md")
-
-    if target.exists():
-        shutil.rmtree(target)
-    staging.rename(target)
+    staging = export_folder.new_staging(target)
+    try:
+        written = _write_export(
+            model,
+            spec,
+            args,
+            staging,
+            tokenizer=tokenizer,
+            model_card=model_card,
+            dtype=dtype,
+            max_shard_gib=max_shard_gib,
+        )
+        export_folder.swap_in(staging, target)
+    except BaseException:
+        export_folder.discard(staging)
+        raise
     return [target / p.relative_to(staging) for p in written]
 
 

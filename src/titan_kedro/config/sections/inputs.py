@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, StrictInt, field_validator
 
 from titan_kedro.config.sections.base import Section
 
@@ -12,7 +12,7 @@ from titan_kedro.config.sections.base import Section
 class JobSection(Section):
     name: str = "titan-kedro"
     """Human-readable run name, used as the MLflow run name and in log lines."""
-    seed: int = 42
+    seed: StrictInt = 42
     """Seed for model init, data order and sampling; the same seed gives the same losses."""
     dump_folder: str = "data/07_model_output/job"
     """Where the resolved job config and worker summaries are written."""
@@ -32,7 +32,7 @@ class DataSection(Section):
     """Dataset config name on the hub."""
     hub_split: str = "train"
     """Split streamed from the hub."""
-    hub_max_documents: int = Field(10_000, gt=0)
+    hub_max_documents: StrictInt = Field(10_000, gt=0)
     """How many documents to take from the hub stream."""
     token_dir: str = "data/05_model_input/tokens"
     """Where packed ``uint32`` token files and ``metadata.json`` live (must match the catalog's ``token_files``)."""
@@ -42,13 +42,17 @@ class DataSection(Section):
     """Share of documents held out for validation, chosen by a stable hash of the text."""
     max_bad_fraction: float = Field(0.01, ge=0.0, le=1.0)
     """Fail the run if more than this share of records is skipped as bad input."""
-    min_chars: int = Field(1, ge=1)
+    min_chars: StrictInt = Field(1, ge=1)
     """Documents shorter than this (after stripping) are skipped as ``empty``."""
-    num_workers: int = Field(0, ge=0)
+    max_line_bytes: StrictInt = Field(8 << 20, gt=0)
+    """Lines of a local shard longer than this many (decompressed) bytes are skipped as
+    ``line_too_long`` without being assembled, so one huge line costs neither memory nor
+    quadratic time. 8 MiB: C4 documents are at most a few hundred KB, even JSON-escaped."""
+    num_workers: StrictInt = Field(0, ge=0)
     """Tokenizer lanes: this process plus ``num_workers - 1`` helper processes; 0 = one per core."""
-    batch_size: int = Field(512, gt=0)
+    batch_size: StrictInt = Field(512, gt=0)
     """Documents per tokenizer batch."""
-    max_documents: int | None = Field(None, gt=0)
+    max_documents: StrictInt | None = Field(None, gt=0)
     """Stop after this many documents in total (None: the whole corpus)."""
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, StrictInt, field_validator
 
 from titan_kedro.config.sections.base import Section
 
@@ -26,11 +26,11 @@ def scheduler_names() -> tuple[str, ...]:
 
 
 class LaunchResources(Section):
-    gpus: int = Field(0, ge=0)
+    gpus: StrictInt = Field(0, ge=0)
     """GPUs requested per node from a TorchX scheduler (one per worker on CUDA: ``nproc_per_node``)."""
-    cpus: int = Field(2, ge=1)
+    cpus: StrictInt = Field(2, ge=1)
     """CPU cores requested per node from a TorchX scheduler."""
-    memory_mb: int = Field(1024, ge=1)
+    memory_mb: StrictInt = Field(1024, ge=1)
     """Host memory requested per node from a TorchX scheduler, in MB (TorchX's ``memMB``)."""
 
 
@@ -50,20 +50,20 @@ class LaunchSection(Section):
     """Write the scheduler request and the TorchX AppDef to ``dryrun_dir`` and train nothing."""
     dryrun_dir: str = "data/07_model_output/launch"
     """Where a dry run writes ``request_<scheduler>.txt`` and ``appdef.json``."""
-    nproc_per_node: int = Field(1, ge=1)
+    nproc_per_node: StrictInt = Field(1, ge=1)
     """Worker processes per node (one per GPU on CUDA)."""
-    nnodes: int = Field(1, ge=1)
+    nnodes: StrictInt = Field(1, ge=1)
     """Number of nodes (more than one needs a TorchX scheduler)."""
     rdzv_endpoint: str | None = None
     """``host:port`` of the c10d rendezvous. None: standalone (``local``), the rank-0 node's
     port 29500 (TorchX schedulers) or a free port here (``local_cwd``)."""
     rdzv_id: str = "titan-kedro"
     """Rendezvous id of a hand-started torchrun (TorchX jobs use their app id)."""
-    max_restarts: int = Field(0, ge=0)
+    max_restarts: StrictInt = Field(0, ge=0)
     """torchrun restarts the worker group this often; training resumes from the latest checkpoint."""
     log_dir: str = "data/07_model_output/logs"
     """torchrun's per-worker log folder (and the replicas' logs under ``local_cwd``)."""
-    timeout_s: int | None = Field(None, gt=0)
+    timeout_s: StrictInt | None = Field(None, gt=0)
     """Stop the whole launch (cancel the TorchX job) after this many seconds (None: no limit)."""
 
     @field_validator("scheduler")

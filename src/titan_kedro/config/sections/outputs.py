@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, StrictInt
 
 from titan_kedro.config.sections.base import Section
 
@@ -13,9 +13,9 @@ class CheckpointSection(Section):
     folder: str = "data/06_models/checkpoints"
     """Checkpoint root; each run writes ``<run id>/step-<n>`` (the node points the workers
     at their run's folder)."""
-    interval: int = Field(50, gt=0)
+    interval: StrictInt = Field(50, gt=0)
     """Save every this many steps (and always at the end)."""
-    keep_latest_k: int = Field(2, ge=1)
+    keep_latest_k: StrictInt = Field(2, ge=1)
     """Keep only the newest k complete checkpoints."""
     resume: str = "never"
     """``never``: a new run; ``latest``: continue the most recently saved run; a run id; or a
@@ -23,7 +23,7 @@ class CheckpointSection(Section):
     initial_load_hf: str | None = None
     """Hugging Face folder (safetensors + ``config.json``) whose weights start a new run
     (continued pretraining); ignored when the run continues from its own checkpoint."""
-    lock_timeout_s: int = Field(900, gt=0)
+    lock_timeout_s: StrictInt = Field(900, gt=0)
     """A run folder's lock (``writer.lock``, held by rank 0 while it trains) whose holder runs
     on another host counts as stale once its heartbeat is older than this (same host: once
     the holder's process is gone); a stale lock is taken over with a warning."""
@@ -33,7 +33,7 @@ class CheckpointSection(Section):
 
 
 class MetricsSection(Section):
-    log_freq: int = Field(1, gt=0)
+    log_freq: StrictInt = Field(1, gt=0)
     """Log step metrics every this many steps (rank 0 only)."""
     enable_mlflow: bool = True
     """Send metrics to the MLflow run given by ``MLFLOW_RUN_ID``."""
@@ -45,22 +45,22 @@ class MetricsSection(Section):
 
 
 class ValidationSection(Section):
-    freq: int = Field(0, ge=0)
+    freq: StrictInt = Field(0, ge=0)
     """Evaluate held-out loss every this many steps; 0 disables it during training."""
-    steps: int = Field(4, gt=0)
+    steps: StrictInt = Field(4, gt=0)
     """Batches per validation pass."""
 
 
 class EvaluationSection(Section):
-    batches: int = Field(8, gt=0)
+    batches: StrictInt = Field(8, gt=0)
     """Validation batches for the final checkpoint's ``eval_loss`` (capped at the windows)."""
-    num_prompts: int = Field(3, gt=0)
+    num_prompts: StrictInt = Field(3, gt=0)
     """Prompts taken from validation documents for sample generations."""
-    prompt_tokens: int = Field(16, gt=0)
+    prompt_tokens: StrictInt = Field(16, gt=0)
     """Tokens of each prompt."""
-    max_new_tokens: int = Field(32, gt=0)
+    max_new_tokens: StrictInt = Field(32, gt=0)
     """Tokens generated per prompt."""
-    top_k: int = Field(20, gt=0)
+    top_k: StrictInt = Field(20, gt=0)
     """Top-k for sampled generations (greedy is always included)."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature."""
@@ -68,10 +68,11 @@ class EvaluationSection(Section):
 
 class ExportSection(Section):
     folder: str = "data/06_models/hf"
-    """Hugging Face export folder (replaced as a whole by each export)."""
+    """Hugging Face export folder, replaced as a whole by each export; a folder that is not a
+    previous export (no ``.titan_kedro_export.json``, or other files in it) is refused."""
     verify: bool = True
     """Load the export with transformers and compare its logits with ours on validation tokens."""
-    verify_tokens: int = Field(64, gt=0)
+    verify_tokens: StrictInt = Field(64, gt=0)
     """Validation tokens fed to both models for that comparison."""
     tolerance: float = Field(1e-4, gt=0)
     """Largest absolute logit difference (float32) that counts as a faithful export."""

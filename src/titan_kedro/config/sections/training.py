@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field
+from pydantic import Field, StrictInt, field_validator
 
 from titan_kedro.config.sections.base import Section
 
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+"""An Adam beta: a decay rate in [0, 1)."""
+
 
 class TrainingSection(Section):
-    steps: int = Field(200, gt=0)
+    steps: StrictInt = Field(200, gt=0)
     """Optimizer steps to train for."""
-    seq_len: int = Field(256, gt=0)
+    seq_len: StrictInt = Field(256, gt=0)
     """Tokens per sample (windows of ``seq_len + 1`` give inputs and shifted labels)."""
-    local_batch_size: int = Field(4, gt=0)
+    local_batch_size: StrictInt = Field(4, gt=0)
     """Samples per device per micro-batch."""
-    global_batch_size: int | None = Field(None, gt=0)
+    global_batch_size: StrictInt | None = Field(None, gt=0)
     """Samples per optimizer step over all data-parallel ranks; None = local × dp (no accumulation)."""
     max_norm: float = Field(1.0, ge=0.0)
     """Clip gradients to this global L2 norm; 0 disables clipping."""
@@ -47,7 +51,7 @@ class TrainingSection(Section):
     metadata's ``bos_id``) and restart RoPE positions there."""
     deterministic: bool = False
     """Use deterministic algorithms (slower on GPU)."""
-    num_threads: int = Field(0, ge=0)
+    num_threads: StrictInt = Field(0, ge=0)
     """CPU threads per worker; 0 = cores / local processes."""
     cpu_keep_freed_memory: bool = True
     """CPU workers: serve every tensor from glibc's heap and never trim it, so the next step
@@ -60,13 +64,13 @@ class TrainingSection(Section):
 class OptimizerSection(Section):
     name: Literal["AdamW"] = "AdamW"
     """Optimizer class."""
-    lr: float = Field(8e-4, gt=0)
-    """Peak learning rate."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    """Adam betas."""
-    eps: float = Field(1e-8, gt=0)
+    lr: float = Field(8e-4, gt=0, allow_inf_nan=False)
+    """Peak learning rate (finite, above 0)."""
+    betas: tuple[Beta, Beta] = (0.9, 0.95)
+    """Adam betas, each in [0, 1)."""
+    eps: float = Field(1e-8, gt=0, allow_inf_nan=False)
     """Adam epsilon."""
-    weight_decay: float = Field(0.1, ge=0)
+    weight_decay: float = Field(0.1, ge=0, allow_inf_nan=False)
     """Decoupled weight decay."""
     no_decay_norm_bias_embed: bool = True
     """Exempt norms, biases and embeddings from weight decay."""
@@ -75,20 +79,20 @@ class OptimizerSection(Section):
 
 
 class LRSchedulerSection(Section):
-    warmup_steps: int = Field(10, ge=0)
-    """Linear warmup from ~0 to ``optimizer.lr``."""
+    warmup_steps: StrictInt = Field(10, ge=0)
+    """Linear warmup from ~0 to ``optimizer.lr`` (at most ``training.steps``)."""
     decay_ratio: float | None = Field(None, ge=0.0, le=1.0)
     """Share of steps spent decaying at the end; None = decay over all steps after warmup."""
     decay_type: Literal["linear", "cosine", "sqrt"] = "cosine"
     """Shape of the decay phase."""
-    min_lr: float = Field(0.0, ge=0.0)
-    """Learning rate reached at the last step."""
+    min_lr: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    """Learning rate reached at the last step (at most ``optimizer.lr``)."""
 
 
 class ParallelismSection(Section):
-    data_parallel_replicate_degree: int = Field(1, ge=1)
+    data_parallel_replicate_degree: StrictInt = Field(1, ge=1)
     """HSDP replicas (pure data parallel, gradients all-reduced)."""
-    data_parallel_shard_degree: int = Field(-1, ge=-1)
+    data_parallel_shard_degree: StrictInt = Field(-1, ge=-1)
     """FSDP2 shard degree; -1 takes whatever the world size leaves."""
 
 
@@ -97,14 +101,28 @@ class FaultToleranceSection(Section):
     """Train as ``replica_groups`` independent torchrun groups that average gradients through
     TorchFT every step, keep training when a group dies and heal a restarted group from a
     live peer (``titan_kedro.ft``)."""
-    replica_groups: int = Field(1, ge=1)
+    replica_groups: StrictInt = Field(1, ge=1)
     """Number of replica groups G (at least 2 with ``enable``); each runs ``launch.nproc_per_node``
     ranks that shard the model among themselves."""
-    min_replicas: int = Field(1, ge=1)
+    min_replicas: StrictInt = Field(1, ge=1)
     """Fewest live groups a step may commit with (at most ``replica_groups``)."""
     lighthouse_address: str | None = None
     """``http://host:port`` of a running TorchFT lighthouse; None: the launcher starts one on
     127.0.0.1 for the run and stops it afterwards."""
+
+    @field_validator("lighthouse_address")
+    @classmethod
+    def _http_host_port(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        problem = _address_problem(value)
+        if problem:
+            raise ValueError(
+                f"{problem}; set fault_tolerance.lighthouse_address to http://host:port (e.g. "
+                "http://10.0.0.5:29510), or to null to have the launcher start one"
+            )
+        return value
+
     quorum_timeout_s: float = Field(60.0, gt=0)
     """How long a group waits for the lighthouse to form a step's quorum."""
     join_timeout_s: float = Field(60.0, gt=0)
@@ -114,6 +132,24 @@ class FaultToleranceSection(Section):
     """A group silent this long is dropped from the next quorum (the launcher's lighthouse)."""
     step_timeout_s: float = Field(60.0, gt=0)
     """Timeout of the cross-group collectives, the commit vote and the healing transfer."""
-    max_group_restarts: int = Field(3, ge=0)
+    max_group_restarts: StrictInt = Field(3, ge=0)
     """How often a dead group is restarted (per group) before the job fails: by the launcher
     (``launch.scheduler: local``) or by the group's own torchrun (``local_cwd``)."""
+
+
+def _address_problem(value: str) -> str | None:
+    """Why ``value`` is not an ``http(s)://host:port`` address (None: it is one)."""
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https"):
+        return f"scheme {parts.scheme or 'missing'!r} is not http or https"
+    try:
+        port = parts.port
+    except ValueError:
+        return "the port is not a number from 0 to 65535"
+    if not parts.hostname:
+        return "the host is missing"
+    if port is None or port == 0:
+        return "the port is missing"
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+        return "only http://host:port is accepted (no path, query or user)"
+    return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from titan_kedro.models.common import YarnRopeScaling
 from titan_kedro.models.deepseek_v2.args import DeepSeekV2ModelArgs
@@ -111,7 +111,7 @@ class DeepSeekParallelismExtension(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    expert_parallel_degree: int = Field(1, ge=1)
+    expert_parallel_degree: StrictInt = Field(1, ge=1)
     """Routed experts are sharded over this many ranks and tokens are exchanged with
     all-to-all; must divide the data-parallel shard degree and the number of routed
     experts (1: every rank holds every expert)."""

@@ -14,7 +14,7 @@ shared experts, top-6, with V3 routing and the V3 tokenizer's vocabulary) and ``
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from titan_kedro.models.common import YarnRopeScaling
 from titan_kedro.models.deepseek_v2 import DeepSeekParallelismExtension
@@ -115,7 +115,7 @@ class DeepSeekV3ModelExtension(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    mtp_depth: int | None = Field(None, ge=0)
+    mtp_depth: StrictInt | None = Field(None, ge=0)
     """Multi-token-prediction modules (0: none; the released V3 uses 1); None keeps the
     flavor's (0 for debugmodel and 16B, 1 for 671B). A shorthand for
     ``model.overrides.mtp_depth``, which it is copied into."""

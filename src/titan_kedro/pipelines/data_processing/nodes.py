@@ -30,7 +30,8 @@ def clean_documents(
     """Choose the document sources and check there is something to read.
 
     Cleaning is lazy: each source drops bad records (invalid JSON or UTF-8, no or empty
-    text, a truncated tail) while it is read by ``tokenize_documents``, counting them.
+    text, a truncated tail, a line over ``data.max_line_bytes`` or nested too deep) while
+    it is read by ``tokenize_documents``, counting them.
 
     Args:
         c4_raw: Lazy loaders of the raw shards, by partition id (``PartitionedDataset``).
@@ -43,7 +44,7 @@ def clean_documents(
     shards = []
     if cfg.source == "local":
         shards = [
-            dataclasses.replace(load(), name=partition)
+            dataclasses.replace(load(), name=partition, max_line_bytes=cfg.max_line_bytes)
             for partition, load in sorted(c4_raw.items())
             if is_shard_name(partition)
         ]

@@ -3,9 +3,12 @@
 A save is written to ``step-{n}.tmp``, fsync'd (files and folders) and renamed to
 ``step-{n}`` (``publish_folder``). Pruning renames ``step-{n}`` to ``step-{n}.deleting``
 before deleting it, so a deletion that stops halfway leaves a folder that is no longer a
-checkpoint. Leftovers of either (``*.tmp``, ``*.deleting``) are removed before the next
-save (``sweep_unfinished``), after ``recover_interrupted_publish`` has put back a copy
-that a crash between the two publishing renames left as ``step-{n}.old.tmp``.
+checkpoint. Leftovers of either (``step-{n}.tmp``, ``step-{n}.old.tmp``,
+``step-{n}.deleting`` folders) are removed before the next save (``sweep_unfinished``),
+after ``recover_interrupted_publish`` has put back a copy that a crash between the two
+publishing renames left as ``step-{n}.old.tmp``. Nothing else is removed: another
+``*.tmp`` entry (the run lock's ``writer.lock.<pid>.tmp`` after a kill, a user's file)
+is left alone and logged.
 Deletion errors are raised, never ignored.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -23,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 _OLD_SUFFIX = ".old.tmp"
 _DELETING_SUFFIX = ".deleting"
+_LEFTOVER = re.compile(r"^step-\d+(\.tmp|\.old\.tmp|\.deleting)$")
+"""The folders a save, publish or prune makes and may leave behind: the only ones swept."""
 
 
 def fsync_tree(folder: Path) -> None:
@@ -89,9 +95,12 @@ def recover_interrupted_publish(folder: Path) -> list[Path]:
 
 
 def sweep_unfinished(folder: Path) -> list[Path]:
-    """Delete what an interrupted save (``*.tmp``) or prune (``*.deleting``) left.
+    """Delete the folders an interrupted save (``step-N.tmp``, ``step-N.old.tmp``) or prune
+    (``step-N.deleting``) left.
 
     Call ``recover_interrupted_publish`` first: a ``step-N.old.tmp`` may be the only copy.
+    Other ``*.tmp`` / ``*.deleting`` entries, and files or links with those names, were not
+    made here: they are left alone and logged.
 
     Returns:
         The deleted folders.
@@ -99,9 +108,14 @@ def sweep_unfinished(folder: Path) -> list[Path]:
     Raises:
         OSError: A leftover could not be deleted.
     """
-    swept = sorted([*folder.glob("*.tmp"), *folder.glob(f"*{_DELETING_SUFFIX}")])
-    for path in swept:
-        shutil.rmtree(path)
+    candidates = sorted({*folder.glob("*.tmp"), *folder.glob(f"*{_DELETING_SUFFIX}")})
+    swept = []
+    for path in candidates:
+        if _LEFTOVER.match(path.name) and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+            swept.append(path)
+        else:
+            logger.info("not sweeping %s: not a checkpoint folder this code leaves behind", path)
     return swept
 
 
