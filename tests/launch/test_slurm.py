@@ -144,6 +144,46 @@ def kedro_run(
     )  # fmt: skip
 
 
+def _slurm_params(project: Path) -> str:
+    return f"{TINY},{SLURM.format(project=project)}"
+
+
+@pytest.fixture(scope="module")
+def crashed(server: Server, project: Path) -> subprocess.CompletedProcess[str]:
+    """2 nodes × 1 process through Slurm where rank 1 (node 1) crashes at step 3."""
+    return kedro_run(
+        project,
+        server.uri(),
+        _slurm_params(project),
+        TITAN_KEDRO_CRASH_AT_STEP="3",
+        TITAN_KEDRO_CRASH_RANK="1",
+    )
+
+
+@pytest.fixture(scope="module")
+def continued(
+    crashed: subprocess.CompletedProcess[str], server: Server, project: Path
+) -> subprocess.CompletedProcess[str]:
+    """The crashed run continued through Slurm with ``resume=latest``."""
+    return kedro_run(project, server.uri(), f"{_slurm_params(project)},checkpoint.resume=latest")
+
+
+@pytest.fixture(scope="module")
+def reference(
+    continued: subprocess.CompletedProcess[str],
+    project: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[int, float]:
+    """The Slurm job's own resolved config, trained here by torchrun on 1 node × 2 processes."""
+    losses = rerun_here(
+        project / "data" / "07_model_output" / "job" / "job_config.yaml",
+        tmp_path_factory.mktemp("local_reference"),
+        nproc=2,
+    )
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return losses
+
+
 @dataclass
 class SlurmRuns:
     crashed: subprocess.CompletedProcess[str]
@@ -151,27 +191,16 @@ class SlurmRuns:
     job_ids: list[str]
     slurm_run_id: str
     run_ids: list[str]
-    reference: dict[int, float]
 
 
 @pytest.fixture(scope="module")
 def slurm_runs(
-    server: Server, project: Path, tmp_path_factory: pytest.TempPathFactory
+    crashed: subprocess.CompletedProcess[str],
+    continued: subprocess.CompletedProcess[str],
+    server: Server,
 ) -> SlurmRuns:
-    """2 nodes × 1 process through Slurm where rank 1 (node 1) crashes at step 3; that run
-    continued through Slurm with ``resume=latest``; then its job, 1 node × 2 processes here."""
-    uri = server.uri()
-    slurm = f"{TINY},{SLURM.format(project=project)}"
-    crashed = kedro_run(
-        project, uri, slurm, TITAN_KEDRO_CRASH_AT_STEP="3", TITAN_KEDRO_CRASH_RANK="1"
-    )
-    continued = kedro_run(project, uri, f"{slurm},checkpoint.resume=latest")
-    reference = rerun_here(
-        project / "data" / "07_model_output" / "job" / "job_config.yaml",
-        tmp_path_factory.mktemp("local_reference"),
-        nproc=2,
-    )
-    assert sorted(reference) == list(range(1, STEPS + 1))
+    """Both Slurm runs, their job ids and MLflow runs (each fixture above is one step, so no
+    single test carries the cost of all of them)."""
     experiment = server.client.get_experiment_by_name("titan_kedro")
     runs = server.client.search_runs(
         [experiment.experiment_id], order_by=["attributes.start_time ASC"]
@@ -182,13 +211,14 @@ def slurm_runs(
         _job_ids(crashed.stdout + crashed.stderr) + _job_ids(continued.stdout + continued.stderr),
         runs[0].info.run_id,
         [r.info.run_id for r in runs],
-        reference,
     )
 
 
-def test_a_failed_replica_ends_the_run_naming_it_with_its_log_tail(slurm_runs: SlurmRuns) -> None:
-    out = slurm_runs.crashed.stdout + slurm_runs.crashed.stderr
-    assert slurm_runs.crashed.returncode != 0, out[-4000:]
+def test_a_failed_replica_ends_the_run_naming_it_with_its_log_tail(
+    crashed: subprocess.CompletedProcess[str],
+) -> None:
+    out = crashed.stdout + crashed.stderr
+    assert crashed.returncode != 0, out[-4000:]
     assert "TrainingFailedError" in out and "ended FAILED" in out, out[-4000:]
     # The rendezvous, not the Slurm replica index, places rank 1: the message must name the
     # replica whose output holds the crash.
@@ -196,11 +226,12 @@ def test_a_failed_replica_ends_the_run_naming_it_with_its_log_tail(slurm_runs: S
     named = re.search(section, out, re.S)
     assert named, out[-4000:]
     assert "[fault injection] rank 1 exits at step 3" in named.group(2), out[-4000:]
-    assert len(slurm_runs.job_ids) == 2 and not any(_queued(j) for j in slurm_runs.job_ids)
+    (job_id,) = _job_ids(out)
+    assert not _queued(job_id)
 
 
 def test_two_slurm_nodes_train_like_one_and_continue_the_same_run(
-    slurm_runs: SlurmRuns, server: Server
+    slurm_runs: SlurmRuns, reference: dict[int, float], server: Server
 ) -> None:
     out = slurm_runs.continued.stdout + slurm_runs.continued.stderr
     assert slurm_runs.continued.returncode == 0, out[-6000:]
@@ -208,7 +239,8 @@ def test_two_slurm_nodes_train_like_one_and_continue_the_same_run(
     history = server.client.get_metric_history(slurm_runs.slurm_run_id, "loss")
     assert {m.step for m in history} == set(range(1, STEPS + 1))
     for m in history:  # steps 1-2 before the crash, 3-4 after continuing from step 2
-        assert abs(m.value - slurm_runs.reference[m.step]) <= 1e-4, (m.step, m.value)
+        assert abs(m.value - reference[m.step]) <= 1e-4, (m.step, m.value)
+    assert len(slurm_runs.job_ids) == 2 and not any(_queued(j) for j in slurm_runs.job_ids)
 
 
 def _files_with(root: Path, secret: str) -> list[Path]:
