@@ -36,6 +36,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from titan_kedro.tracking.credentials import adopt_tracking_credentials, install_secret_filter
 from titan_kedro.train.parent_death import end_with_agent
 from titan_kedro.train.run_lock import hold_run_folder
 
@@ -72,6 +73,9 @@ def run_folder_held(cfg: Any, rank: int) -> contextlib.AbstractContextManager[An
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one worker; returns the process exit code."""
     end_with_agent()  # before the slow imports below: a worker ends with its torchrun agent
+    # No credentials in a URI this worker could print; every log record masked.
+    adopt_tracking_credentials()
+    install_secret_filter()
     from torch.distributed.elastic.multiprocessing.errors import record
 
     return int(record(run_worker)(argv))
