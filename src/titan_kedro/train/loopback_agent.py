@@ -57,7 +57,10 @@ def loopback_tcp_store(store_cls: Any) -> Any:
             and kwargs.get("master_listen_fd") is None
             and is_loopback(host_name)
         ):
-            kwargs["master_listen_fd"] = listening_socket(port)
+            try:
+                kwargs["master_listen_fd"] = listening_socket(port)
+            except OSError as err:  # another agent here hosts it: torchrun then connects
+                raise RuntimeError(f"cannot listen on {LOOPBACK}:{port}: {err}") from err
             host_name = LOOPBACK
         return store_cls(host_name, port, *args, **kwargs)
 
