@@ -3,6 +3,7 @@ node can use are made absolute and checked under ``launch.shared_dir``."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shlex
@@ -215,17 +216,16 @@ def test_a_local_runs_workers_and_log_files_hold_no_password_uri(
 ) -> None:
     """The workers get the URI without credentials (MLflow's variables instead), so
     MLflow's failure messages, and torchrun's log files, hold no password in any form."""
+    import yaml
     from train.helpers import TINY_MODEL, tiny_job, write_token_dir
 
+    from titan_kedro.launch import launch_job
     from titan_kedro.launch.appdef import free_port
-    from titan_kedro.pipelines.training import nodes
 
     port = free_port()  # nobody listens there: every MLflow call fails
     password = "p@ss:w0rd"
     uri = f"http://alice:{quote(password, safe='')}@127.0.0.1:{port}/"
-    monkeypatch.setattr(
-        nodes, "mlflow_env", lambda: {"MLFLOW_RUN_ID": RUN_ID, "MLFLOW_TRACKING_URI": uri}
-    )
+    env = {"MLFLOW_RUN_ID": RUN_ID, "MLFLOW_TRACKING_URI": uri}  # what the node passes
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     probe = tmp_path / "probe.json"
@@ -238,8 +238,10 @@ def test_a_local_runs_workers_and_log_files_hold_no_password_uri(
         metrics={"enable_mlflow": True, "system_metrics_interval_s": 0},
         checkpoint={"enable": False},
     )  # fmt: skip
-    summary = nodes.train_model({"vocab_size": 512}, {}, **job)
-    assert summary["final_step"] == 2
+    config = tmp_path / "job_config.yaml"
+    config.write_text(yaml.safe_dump(job), encoding="utf-8")
+    launch_job(build_job_config(job), config, env, console=io.StringIO())
+    assert json.loads((tmp_path / "job" / "summary.json").read_text())["final_step"] == 2
     seen = json.loads(probe.read_text())
     assert seen == {
         "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}/",
