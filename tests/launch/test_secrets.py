@@ -256,3 +256,29 @@ def test_a_local_runs_workers_and_log_files_hold_no_password_uri(
     for path, text in texts.items():
         for form in (password, quote(password, safe=""), "w0rd"):
             assert form not in text, f"{form!r} in {path}"
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "kubernetes"])
+def test_a_dry_run_shows_no_credential_like_query_value(
+    scheduler: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from test_torchx_launch import CLUSTER, SCHEDULER_ARGS
+
+    from titan_kedro.pipelines.training import nodes
+
+    secrets = ["p@ss", "cs3cret", "ak3y", "s1gnature", "pr1vate"]
+    uri = (
+        "https://alice:p@ss@mlflow.example:5000/?client_secret=cs3cret&x-api-key=ak3y"
+        "&X-Amz-Signature=s1gnature&private_token=pr1vate&experiment=3"
+    )
+    monkeypatch.setattr(nodes, "mlflow_env", lambda: {**RUN_ENV, "MLFLOW_TRACKING_URI": uri})
+    job = shared_job(
+        tmp_path, scheduler=scheduler, scheduler_args=SCHEDULER_ARGS[scheduler], dryrun=True,
+        dryrun_dir=str(tmp_path / "launch"), **CLUSTER,
+    )  # fmt: skip
+    summary = nodes.train_model({"vocab_size": 102400}, {}, **job)
+    for name in ("request_file", "appdef_file"):
+        text = Path(summary[name]).read_text()
+        assert "experiment=3" in text and "mlflow.example:5000" in text
+        for secret in secrets:
+            assert secret not in text and quote(secret, safe="") not in text, (name, secret)
