@@ -12,7 +12,13 @@ from titan_kedro.hooks import (
     MlflowRunTagsHook,
     ValidateJobConfigHook,
 )
-from titan_kedro.launch.secrets import redact
+from titan_kedro.tracking.credentials import adopt_tracking_credentials, install_secret_filter
+
+# From the first moment: no credentials in this process's tracking URI (they move to
+# MLflow's MLFLOW_TRACKING_USERNAME / PASSWORD / TOKEN, which the workers inherit), and
+# every log record masked (tracking/credentials.py).
+_CREDENTIALS = adopt_tracking_credentials()
+install_secret_filter()
 
 # Deprecation noise from Kedro's and kedro-mlflow's own resolver registration; nothing a
 # user of this project can act on.
@@ -36,7 +42,6 @@ CONFIG_LOADER_ARGS = {
     "custom_resolvers": {"oc.env": oc.env},
 }
 
-# MLflow prints the run's URL, tracking URI included, when a run ends: not a URI that holds
-# credentials (launch/secrets.py).
-if redact(os.environ.get("MLFLOW_TRACKING_URI", "")) != os.environ.get("MLFLOW_TRACKING_URI", ""):
+# MLflow prints the run's URL when a run ends: not for a server that needs credentials.
+if _CREDENTIALS.values():
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")

@@ -44,7 +44,8 @@ def is_worker(proc: psutil.Process) -> bool:
         cmd = proc.cmdline()
     except psutil.Error:
         return False
-    return "titan_kedro.train" in cmd and "torch.distributed.run" not in cmd
+    agent = "torch.distributed.run" in cmd or "titan_kedro.train.loopback_agent" in cmd
+    return "titan_kedro.train" in cmd and not agent
 
 
 Family = Callable[[], tuple[list[psutil.Process], list[psutil.Process]]]

@@ -7,7 +7,9 @@ does.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -20,7 +22,12 @@ import pytest
 from launch.job_processes import descendants, is_worker, start_training_node, wait_for_workers
 from train.helpers import REPO, tiny_job, write_token_dir
 
-from titan_kedro.train.parent_death import AGENT_PID_ENV, ORPHANED_EXIT_CODE, guarded_command
+from titan_kedro.train.parent_death import (
+    AGENT_PID_ENV,
+    AGENT_START_ENV,
+    ORPHANED_EXIT_CODE,
+    guarded_command,
+)
 
 ENDED_WITHIN_S = 10
 """The issue's bound: torchrun and every worker end this soon after the launcher's death."""
@@ -108,10 +115,80 @@ def test_killing_the_launcher_alone_ends_torchrun_and_every_worker(
     assert ended_in < ENDED_WITHIN_S
 
 
+AGENT_THAT_DIES = """
+import os, subprocess, sys
+import psutil
+os.environ["TITAN_KEDRO_AGENT_PID"] = str(os.getpid())
+os.environ["TITAN_KEDRO_AGENT_START"] = repr(psutil.Process().create_time())
+with open(sys.argv[2], "w") as log:
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "titan_kedro.train", "--config", sys.argv[1]],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+print(worker.pid, flush=True)
+os._exit(0)  # the agent dies before the worker sets its signal
+"""
+
+
 def test_a_worker_whose_agent_is_already_gone_ends_at_once(tmp_path: Path) -> None:
-    # Its parent (this test) is not the agent the wrapper named: the agent died before
-    # the worker could set its signal, and it was re-parented.
-    env = {**_env(), "TORCHELASTIC_RUN_ID": "job-1", AGENT_PID_ENV: "1"}
-    worker = [sys.executable, "-m", "titan_kedro.train", "--config", str(tmp_path / "no.yaml")]
-    done = subprocess.run(worker, check=False, capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]  # not the missing file
+    # Its agent died before the worker could set its signal, and it was re-parented.
+    log = tmp_path / "worker.log"
+    env = {**_env(), "TORCHELASTIC_RUN_ID": "job-1"}
+    agent = subprocess.run(
+        [sys.executable, "-c", AGENT_THAT_DIES, str(tmp_path / "no.yaml"), str(log)],
+        check=True, capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    worker = int(agent.stdout.strip())
+    deadline = time.monotonic() + 60
+    while psutil.pid_exists(worker) and time.monotonic() < deadline:
+        with contextlib.suppress(psutil.Error):
+            if psutil.Process(worker).status() == psutil.STATUS_ZOMBIE:
+                break
+        time.sleep(0.05)
+    assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == "zombie"
+    assert "no.yaml" not in log.read_text(), log.read_text()  # ended before reading it
+
+
+_END_WITH_AGENT = (
+    "from titan_kedro.train.parent_death import end_with_agent; print(end_with_agent())"
+)
+
+
+def test_a_stale_agent_pid_of_a_live_process_is_ignored_with_a_warning() -> None:
+    # A variable inherited from another run names a live process that is not the parent.
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        env = {
+            **_env(), "TORCHELASTIC_RUN_ID": "by-hand", AGENT_PID_ENV: str(other.pid),
+            AGENT_START_ENV: repr(psutil.Process(other.pid).create_time()),
+        }  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", _END_WITH_AGENT], check=False, capture_output=True,
+            text=True, env=env, timeout=60,
+        )  # fmt: skip
+    finally:
+        other.kill()
+        other.wait()
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.strip() == "True"  # its signal is set, for its real parent
+    assert f"ignoring {AGENT_PID_ENV}={other.pid}" in done.stderr
+
+
+def test_a_stale_agent_pid_of_a_dead_agent_is_ignored_by_a_worker_started_later() -> None:
+    # The named agent is gone, but the worker's parent started after it: not re-parented,
+    # just started by hand (here by a shell) with the variable still set.
+    gone = subprocess.Popen(["sleep", "60"])
+    started = psutil.Process(gone.pid).create_time()
+    gone.kill()
+    gone.wait()
+    time.sleep(1.1)  # the parent below starts measurably later
+    env = {
+        **_env(), "TORCHELASTIC_RUN_ID": "by-hand", AGENT_PID_ENV: str(gone.pid),
+        AGENT_START_ENV: repr(started),
+    }  # fmt: skip
+    line = f"{shlex.quote(sys.executable)} -c {shlex.quote(_END_WITH_AGENT)}; exit $?"
+    done = subprocess.run(
+        ["sh", "-c", line], check=False, capture_output=True, text=True, env=env, timeout=60
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert f"ignoring {AGENT_PID_ENV}={gone.pid}" in done.stderr

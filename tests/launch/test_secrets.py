@@ -3,9 +3,11 @@ node can use are made absolute and checked under ``launch.shared_dir``."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shlex
+import sys
 from pathlib import Path
 from urllib.parse import quote
 
@@ -49,8 +51,8 @@ def test_the_uri_goes_to_the_nodes_without_credentials(
 ) -> None:
     split = split_tracking_uri(uri)
     assert (split.uri, split.credentials) == (clean, credentials)
-    env, moved = node_env({"MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": "r1"})
-    assert env == {"MLFLOW_TRACKING_URI": clean, "MLFLOW_RUN_ID": "r1"} and moved == credentials
+    env, moved = node_env({"MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": RUN_ID})
+    assert env == {"MLFLOW_TRACKING_URI": clean, "MLFLOW_RUN_ID": RUN_ID} and moved == credentials
 
 
 SECRET = "s3cr+et!x"  # characters that percent-encoding changes
@@ -140,3 +142,143 @@ def test_paths_a_node_reads_are_absolute_and_checked_under_the_shared_dir(
 def test_a_uri_without_credentials_reaches_the_nodes_as_written(uri: str) -> None:
     # urlsplit + geturl drops a slash from sqlite:////abs (the workers then failed to log).
     assert split_tracking_uri(uri, {}).uri == uri
+
+
+@pytest.mark.parametrize(
+    "key", ["client_secret", "x-api-key", "X-Amz-Signature", "private_token", "AccessKey", "sig"]
+)
+def test_every_credential_like_query_key_is_masked_and_moved(key: str) -> None:
+    uri = f"https://mlflow.example/?{key}={quote(SECRET, safe='')}&experiment=3"
+    assert "s3cr" not in redact(uri) and "experiment=3" in redact(uri)
+    split = split_tracking_uri(uri, {})
+    assert split.uri == "https://mlflow.example/?experiment=3"
+    assert split.credentials == {"MLFLOW_TRACKING_TOKEN": SECRET}
+    encoded = quote(uri, safe="")  # a URL inside a query, or a request file's encoding
+    assert "s3cr" not in redact(encoded), redact(encoded)
+
+
+def test_a_password_holding_at_signs_is_masked_whole_and_decoded_for_the_login() -> None:
+    for uri in ("http://alice:p@ss@vm:5000/", "http://alice:p%40ss@vm:5000/"):
+        masked = redact(f"API request to {uri}api/2.0/mlflow/runs/log-batch failed")
+        assert masked.startswith("API request to http://alice:***@vm:5000/api"), masked
+        split = split_tracking_uri(uri, {})
+        assert split.uri == "http://vm:5000/"
+        assert split.credentials["MLFLOW_TRACKING_PASSWORD"] == "p@ss"  # what MLflow sends
+    # A known secret is masked as written and percent-encoded.
+    assert redact("p@ss and p%40ss", ["p@ss"]) == "*** and ***"
+    assert redact("p@ss and p%40ss", ["p%40ss"]) == "*** and ***"
+
+
+def test_kubernetes_env_entries_with_secret_names_are_masked() -> None:
+    yaml_text = "env:\n- name: WANDB_API_KEY\n  value: k3yvalue\n- name: MAX_STEPS\n  value: '4'"
+    masked = redact(yaml_text)
+    assert "k3yvalue" not in masked and "value: '4'" in masked
+    assert "k3yvalue" not in redact(str({"name": "HF_TOKEN", "value": "k3yvalue"}))
+
+
+def test_the_log_filter_masks_what_the_process_knows(monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    from titan_kedro.tracking.credentials import SecretFilter, adopt_tracking_credentials
+
+    environ = {"MLFLOW_TRACKING_URI": "http://alice:p%40ss@127.0.0.1:9/"}
+    adopt_tracking_credentials(environ)
+    assert environ["MLFLOW_TRACKING_URI"] == "http://127.0.0.1:9/"
+    assert environ["MLFLOW_TRACKING_PASSWORD"] == "p@ss"
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "p@ss")
+    try:
+        raise ConnectionError("API request to http://127.0.0.1:9/ failed, auth p@ss")
+    except ConnectionError as err:
+        record = logging.LogRecord(
+            "mlflow", logging.WARNING, __file__, 1, "failed: %s (%s)", (err, "p%40ss"),
+            sys.exc_info(),
+        )  # fmt: skip
+    SecretFilter().filter(record)
+    text = logging.Formatter().format(record)
+    assert "p@ss" not in text and "p%40ss" not in text and "***" in text
+
+
+RUN_ID = "0123456789abcdef0123456789abcdef"
+PROBE_MODEL = """
+import json, os, sys
+from pathlib import Path
+
+if "RANK" in os.environ:  # a worker: what its environment holds
+    names = ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+    Path({probe!r}).write_text(json.dumps({{k: os.environ.get(k) for k in names}}))
+sys.path.insert(0, {tiny_dir!r})
+import tiny_model  # registers tiny_dense
+"""
+
+
+def test_a_local_runs_workers_and_log_files_hold_no_password_uri(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The workers get the URI without credentials (MLflow's variables instead), so
+    MLflow's failure messages, and torchrun's log files, hold no password in any form."""
+    import yaml
+    from train.helpers import TINY_MODEL, tiny_job, write_token_dir
+
+    from titan_kedro.launch import launch_job
+    from titan_kedro.launch.appdef import free_port
+
+    port = free_port()  # nobody listens there: every MLflow call fails
+    password = "p@ss:w0rd"
+    uri = f"http://alice:{quote(password, safe='')}@127.0.0.1:{port}/"
+    env = {"MLFLOW_RUN_ID": RUN_ID, "MLFLOW_TRACKING_URI": uri}  # what the node passes
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    probe = tmp_path / "probe.json"
+    model_file = tmp_path / "probe_model.py"
+    model_file.write_text(PROBE_MODEL.format(probe=str(probe), tiny_dir=str(TINY_MODEL.parent)))
+    tokens = write_token_dir(tmp_path / "tokens", n_train=4000)
+    job = tiny_job(
+        tmp_path, tokens, training={"steps": 2},
+        model={"name": "tiny_dense", "flavor": "debugmodel", "custom_model_path": str(model_file)},
+        metrics={"enable_mlflow": True, "system_metrics_interval_s": 0},
+        checkpoint={"enable": False},
+    )  # fmt: skip
+    config = tmp_path / "job_config.yaml"
+    config.write_text(yaml.safe_dump(job), encoding="utf-8")
+    launch_job(build_job_config(job), config, env, console=io.StringIO())
+    assert json.loads((tmp_path / "job" / "summary.json").read_text())["final_step"] == 2
+    seen = json.loads(probe.read_text())
+    assert seen == {
+        "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}/",
+        "MLFLOW_TRACKING_USERNAME": "alice",
+        "MLFLOW_TRACKING_PASSWORD": password,  # decoded: what MLflow logs in with
+    }
+    logs = [p for folder in (tmp_path / "logs", tmp_path / "job") for p in folder.rglob("*")]
+    texts = {p: p.read_text(errors="replace") for p in logs if p.is_file()}
+    assert any(f"MLflow logging into run {RUN_ID} failed" in t for t in texts.values()), (
+        texts.keys()
+    )
+    for path, text in texts.items():
+        for form in (password, quote(password, safe=""), "w0rd"):
+            assert form not in text, f"{form!r} in {path}"
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "kubernetes"])
+def test_a_dry_run_shows_no_credential_like_query_value(
+    scheduler: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from test_torchx_launch import CLUSTER, SCHEDULER_ARGS
+
+    from titan_kedro.pipelines.training import nodes
+
+    secrets = ["p@ss", "cs3cret", "ak3y", "s1gnature", "pr1vate"]
+    uri = (
+        "https://alice:p@ss@mlflow.example:5000/?client_secret=cs3cret&x-api-key=ak3y"
+        "&X-Amz-Signature=s1gnature&private_token=pr1vate&experiment=3"
+    )
+    monkeypatch.setattr(nodes, "mlflow_env", lambda: {**RUN_ENV, "MLFLOW_TRACKING_URI": uri})
+    job = shared_job(
+        tmp_path, scheduler=scheduler, scheduler_args=SCHEDULER_ARGS[scheduler], dryrun=True,
+        dryrun_dir=str(tmp_path / "launch"), **CLUSTER,
+    )  # fmt: skip
+    summary = nodes.train_model({"vocab_size": 102400}, {}, **job)
+    for name in ("request_file", "appdef_file"):
+        text = Path(summary[name]).read_text()
+        assert "experiment=3" in text and "mlflow.example:5000" in text
+        for secret in secrets:
+            assert secret not in text and quote(secret, safe="") not in text, (name, secret)

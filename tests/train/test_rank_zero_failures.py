@@ -83,3 +83,36 @@ def test_rank_zero_failures_end_every_rank_with_its_message(tmp_path: Path) -> N
             assert results[name]["seconds"] < 30, (rank, name, results[name])
     # The half-pruned step-1 was unpublished first, so it is no checkpoint any more.
     assert not (tmp_path / "ckpt" / "step-1").exists()
+
+
+def _interrupt_on_rank_zero(rank: int, world: int, out: str) -> None:
+    from titan_kedro.train.checkpoint.rank_zero import RankZeroError, on_rank_zero
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    start = time.monotonic()
+    try:
+        on_rank_zero("publishing step-9", interrupted)
+    except KeyboardInterrupt:
+        seen = "KeyboardInterrupt"
+    except RankZeroError as err:
+        seen = str(err)
+    else:
+        seen = "nothing"
+    result = {"seen": seen, "seconds": time.monotonic() - start}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result), encoding="utf-8")
+
+
+def test_a_rank_zero_interrupt_reaches_every_rank(tmp_path: Path) -> None:
+    """Ctrl-C on rank 0 used to skip the broadcast: rank 1 waited for the collective timeout."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ranks(
+        _interrupt_on_rank_zero, str(out), store=tmp_path / "store",
+        collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+    )  # fmt: skip
+    zero, one = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert zero["seen"] == "KeyboardInterrupt"  # rank 0's own interrupt is kept
+    assert one["seen"] == "rank 0 failed while publishing step-9: KeyboardInterrupt"
+    assert one["seconds"] < 30, one

@@ -132,3 +132,125 @@ def test_a_worker_started_by_hand_in_a_held_folder_refuses(tmp_path: Path) -> No
     assert done.returncode != 0
     assert f"run folder {folder} is being trained by pid {holder.pid}" in done.stderr
     assert not (tmp_path / "job" / "metrics.jsonl").exists()
+
+
+def test_two_writers_without_flock_never_both_hold_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a filesystem without ``flock`` (NFS) both starts read "no lock" before either
+    writes: only one may come out holding it."""
+    import fcntl
+    import threading
+
+    from titan_kedro.train import run_lock
+
+    monkeypatch.setattr(fcntl, "flock", lambda *_a, **_k: None)  # serialises nothing
+    both_read = threading.Barrier(2, timeout=10)
+    local = threading.local()
+    read = run_lock.read_holder
+
+    def read_then_wait(folder: str | Path) -> tuple[LockHolder, float] | None:
+        found = read(folder)
+        if not getattr(local, "waited", False):  # each writer's first look: at once
+            local.waited = True
+            both_read.wait()
+        return found
+
+    monkeypatch.setattr(run_lock, "read_holder", read_then_wait)
+    folder = tmp_path / "run-1"
+    folder.mkdir()
+    tried = threading.Barrier(2, timeout=10)
+    outcome: dict[str, str] = {}
+
+    def writer(name: str) -> None:
+        try:
+            with hold_run_folder(folder, timeout_s=TIMEOUT_S):
+                outcome[name] = "held"
+                tried.wait()  # still holding while the other one tries
+        except RunFolderLockedError:
+            outcome[name] = "refused"
+            tried.wait()
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert sorted(outcome.values()) == ["held", "refused"], outcome
+
+
+def test_two_writers_taking_over_one_stale_lock_never_both_hold_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fcntl
+    import threading
+
+    from titan_kedro.train import run_lock
+
+    monkeypatch.setattr(fcntl, "flock", lambda *_a, **_k: None)  # NFS: serialises nothing
+    folder = tmp_path / "run-1"
+    _foreign_lock(folder, age_s=3600)  # stale for both
+    both_read = threading.Barrier(2, timeout=10)
+    local = threading.local()
+    read = run_lock.read_holder
+
+    def read_then_wait(folder: str | Path) -> tuple[LockHolder, float] | None:
+        found = read(folder)
+        if not getattr(local, "waited", False):
+            local.waited = True
+            both_read.wait()
+        return found
+
+    monkeypatch.setattr(run_lock, "read_holder", read_then_wait)
+    tried = threading.Barrier(2, timeout=10)
+    outcome: dict[str, str] = {}
+
+    def writer(name: str) -> None:
+        try:
+            with hold_run_folder(folder, timeout_s=60):
+                outcome[name] = "held"
+                tried.wait()
+        except RunFolderLockedError:
+            outcome[name] = "refused"
+            tried.wait()
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert sorted(outcome.values()) == ["held", "refused"], outcome
+
+
+def test_a_holder_whose_lock_was_taken_over_notices_and_stops_refreshing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from titan_kedro.train.run_lock import RunFolderLockLostError, verify_writer
+
+    folder = tmp_path / "run-1"
+    with caplog.at_level(logging.ERROR), hold_run_folder(folder, timeout_s=0.4):
+        verify_writer(folder)  # held: fine
+        thief = _foreign_lock(folder, age_s=0)  # taken over (a break_lock elsewhere)
+        os.utime(folder / LOCK_FILE, (0, 0))
+        deadline = time.monotonic() + 10
+        while "lost the lock" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # three more heartbeats
+        assert read_holder(folder)[1] > 3600  # the new holder's lock is not refreshed
+        with pytest.raises(RunFolderLockLostError, match="pid 4242 on host node-elsewhere"):
+            verify_writer(folder)  # what the next checkpoint save calls
+    assert "lost the lock of run folder" in caplog.text
+    assert read_holder(folder)[0] == thief  # the new holder's lock is left alone
+
+
+def test_a_restart_never_takes_the_lock_of_a_live_holder_with_its_rendezvous_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "run-1"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")  # the holder below has it too
+    with live_holder(folder) as holder:
+        assert read_holder(folder)[0].group == "job-7"
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+        with pytest.raises(RunFolderLockedError), hold_run_folder(folder, timeout_s=TIMEOUT_S):
+            pytest.fail("a restart took a live holder's lock")
+        assert read_holder(folder)[0].pid == holder.pid

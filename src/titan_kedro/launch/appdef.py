@@ -92,7 +92,10 @@ def build_appdef(cfg: Any, config_path: str | Path, env: Mapping[str, str]) -> s
         )
     python = sys.executable if launch.scheduler in HOST_SCHEDULERS else "python"
     endpoint = rendezvous_endpoint(launch)
-    cmd = torchrun_command(launch, config_path, python=python, rendezvous=(endpoint, macros.app_id))
+    local = launch.scheduler == LOCAL_CWD_SCHEDULER  # every agent on this machine
+    cmd = torchrun_command(
+        launch, config_path, python=python, rendezvous=(endpoint, macros.app_id), loopback=local
+    )
     if launch.scheduler == LOCAL_CWD_SCHEDULER:
         # The agents are this process's children: they end with it (bash execs the wrapper).
         cmd = ["exec", *guarded_command(cmd, python=python)]

@@ -57,7 +57,8 @@ def write_dryrun(
     appdef_file = None
     if app is None or launch.scheduler == LOCAL_SCHEDULER:
         request.write_text(
-            shlex.join(torchrun_command(launch, config_path)) + "\n", encoding="utf-8"
+            shlex.join(torchrun_command(launch, config_path, loopback=True)) + "\n",
+            encoding="utf-8",
         )
     else:
         with signals_restored(), get_runner() as runner:

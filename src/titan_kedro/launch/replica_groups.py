@@ -11,7 +11,8 @@ code 0), the job is done. A non-zero exit is never a finish: once another group 
 finished, it fails the job (nothing is left to restart it for). On any way out (success,
 failure, Ctrl-C, ``launch.timeout_s``) every group's process tree and the lighthouses
 are stopped. This process holds the run folder's lock (``train.run_lock``) for the whole
-job, since the groups share it; each group's torchrun ends with this process.
+job, since the groups share it (a lost lock stops every group); each group's torchrun
+ends with this process.
 
 With ``launch.scheduler: local_cwd`` the same services run here around a TorchX job of G
 replicas (``appdef.build_appdef``), each group's torchrun restarting its own workers.
@@ -46,7 +47,7 @@ from titan_kedro.launch.torchrun import (
     start_torchrun,
     stop_torchrun,
 )
-from titan_kedro.train.run_lock import hold_run_folder
+from titan_kedro.train.run_lock import hold_run_folder, verify_writer
 
 POLL_S = 0.2
 STREAM_DRAIN_S = 5.0
@@ -210,6 +211,8 @@ class ReplicaGroupLauncher:
                         f"training ran past launch.timeout_s={self.cfg.launch.timeout_s}s and "
                         f"was stopped; worker logs under {self.cfg.launch.log_dir}"
                     )
+                if self.cfg.checkpoint.enable:  # the lock this process holds for the groups
+                    verify_writer(self.cfg.checkpoint.folder, fresh=False)
                 for group in self.groups:
                     self._check(group, ft.max_group_restarts)
         finally:

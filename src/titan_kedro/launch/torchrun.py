@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from titan_kedro.launch.secrets import redact, tracking_secrets
+from titan_kedro.launch.secrets import redact, secret_values, split_tracking_uri, worker_env
 from titan_kedro.launch.supervise import OutputFollower, supervise
 from titan_kedro.tracking.mlflow_logger import RUN_ID_ENV, TRACKING_URI_ENV
 from titan_kedro.train.parent_death import guarded_command
@@ -38,16 +39,20 @@ def torchrun_command(
     *,
     python: str = sys.executable,
     rendezvous: tuple[str, str] | None = None,
+    loopback: bool = False,
 ) -> list[str]:
     """The torchrun command line for the ``launch`` section and a job-config file.
 
     A c10d rendezvous at ``rendezvous`` (endpoint, id) if given, else at
-    ``launch.rdzv_endpoint`` with ``launch.rdzv_id``; a single node without either uses
-    ``--standalone``. Rank 0's output is teed to the console; every rank's output goes to
-    ``log_dir``. Ranks come from the rendezvous, so every node runs the same command.
+    ``launch.rdzv_endpoint`` with ``launch.rdzv_id`` (None: a random id, unguessable); a
+    single node without either uses ``--standalone``. Rank 0's output is teed to the
+    console; every rank's output goes to ``log_dir``. Ranks come from the rendezvous, so
+    every node runs the same command. ``loopback`` (agents on this machine only): torchrun
+    through ``train.loopback_agent``, whose stores listen on 127.0.0.1 only.
     """
+    agent = "titan_kedro.train.loopback_agent" if loopback else "torch.distributed.run"
     cmd = [
-        python, "-m", "torch.distributed.run",
+        python, "-m", agent,
         f"--nnodes={launch.nnodes}",
         f"--nproc-per-node={launch.nproc_per_node}",
         f"--max-restarts={launch.max_restarts}",
@@ -55,8 +60,11 @@ def torchrun_command(
         "--tee=3",
         "--local-ranks-filter=0",
     ]  # fmt: skip
+    if loopback:
+        cmd.append("--local-addr=127.0.0.1")  # where the workers reach the agent's store
     endpoint, rdzv_id = rendezvous or (launch.rdzv_endpoint, launch.rdzv_id)
     if endpoint:
+        rdzv_id = rdzv_id or secrets.token_hex(16)
         cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id]
     elif launch.nnodes == 1:
         cmd.append("--standalone")
@@ -184,15 +192,18 @@ def start_torchrun(
     log_dir = Path(launch.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     before = run_dirs(log_dir)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **mlflow_env(), **dict(extra_env or {})}
+    given = {**os.environ, "PYTHONUNBUFFERED": "1", **mlflow_env(), **dict(extra_env or {})}
+    # The workers' URI holds no credentials: they get MLflow's credential variables instead.
+    env = worker_env(given)
     # torchrun forces OMP_NUM_THREADS=1 otherwise; the worker sets its own thread count.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // launch.nproc_per_node)))
-    cmd = list(command or torchrun_command(launch, config_path))
+    cmd = list(command or torchrun_command(launch, config_path, loopback=True))
     process = subprocess.Popen(
         guarded_command(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1, start_new_session=True,
     )  # fmt: skip
-    return TorchrunGroup(process, cmd, log_dir, before, tracking_secrets(env))
+    secrets = secret_values(split_tracking_uri(given.get(TRACKING_URI_ENV), given).credentials)
+    return TorchrunGroup(process, cmd, log_dir, before, secrets)
 
 
 def stop_torchrun(group: TorchrunGroup, grace_s: float = 20) -> None:

@@ -2,7 +2,8 @@
 
 Workers never start a run: the launcher passes ``MLFLOW_RUN_ID`` (and
 ``MLFLOW_TRACKING_URI``) and rank 0 logs into that run with ``MlflowClient.log_batch``.
-Without ``MLFLOW_RUN_ID`` there is no MLflow logging (console and files only).
+Without ``MLFLOW_RUN_ID`` there is no MLflow logging (console and files only). The URI
+holds no credentials (``tracking.credentials``); an MLflow error is logged masked anyway.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from titan_kedro.tracking.credentials import TRACKING_URI_ENV, redact
+
 logger = logging.getLogger(__name__)
 
 RUN_ID_ENV = "MLFLOW_RUN_ID"
-TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+__all__ = ["RUN_ID_ENV", "TRACKING_URI_ENV", "MlflowMetricsSink"]
 
 
 class MlflowMetricsSink:
@@ -53,5 +56,7 @@ class MlflowMetricsSink:
             self.client.log_batch(self.run_id, metrics=batch)
         except Exception as err:  # the tracking server must not kill a training run
             if not self._warned:
-                logger.warning("MLflow logging into run %s failed: %s", self.run_id, err)
+                logger.warning(
+                    "MLflow logging into run %s failed: %s", self.run_id, redact(str(err))
+                )
                 self._warned = True

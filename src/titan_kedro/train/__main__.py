@@ -14,12 +14,14 @@ Two nodes with 8 GPUs each (the same command on every node; the rendezvous assig
 ranks; ``kedro run`` submits exactly this through TorchX with ``launch.scheduler``)::
 
     python -m torch.distributed.run --nnodes 2 --nproc-per-node 8 \\
-        --rdzv-backend c10d --rdzv-endpoint node0.example:29500 --rdzv-id titan-kedro \\
+        --rdzv-backend c10d --rdzv-endpoint node0.example:29500 --rdzv-id "$RDZV_ID" \\
         --max-restarts 3 --log-dir logs --tee 3 --local-ranks-filter 0 \\
         -m titan_kedro.train --config job_config.yaml \\
         --launch.nproc_per_node 8 --launch.nnodes 2
 
-``launch.nproc_per_node × launch.nnodes`` must equal the number of workers, since it sets
+``$RDZV_ID``: the same on every node and hard to guess (``openssl rand -hex 16``): whoever
+knows the endpoint and id can join the rendezvous. ``launch.nproc_per_node ×
+launch.nnodes`` must equal the number of workers, since it sets
 the batch layout. Metrics go to the MLflow run named by ``MLFLOW_RUN_ID`` (with
 ``MLFLOW_TRACKING_URI``) when set; a run is never started here. Checkpoints go to
 ``checkpoint.folder`` as given (the Kedro node passes ``<root>/<run id>``);
@@ -36,6 +38,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from titan_kedro.tracking.credentials import adopt_tracking_credentials, install_secret_filter
 from titan_kedro.train.parent_death import end_with_agent
 from titan_kedro.train.run_lock import hold_run_folder
 
@@ -72,6 +75,9 @@ def run_folder_held(cfg: Any, rank: int) -> contextlib.AbstractContextManager[An
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one worker; returns the process exit code."""
     end_with_agent()  # before the slow imports below: a worker ends with its torchrun agent
+    # No credentials in a URI this worker could print; every log record masked.
+    adopt_tracking_credentials()
+    install_secret_filter()
     from torch.distributed.elastic.multiprocessing.errors import record
 
     return int(record(run_worker)(argv))

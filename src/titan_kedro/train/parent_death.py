@@ -15,18 +15,28 @@ unsafe in a process with threads; TorchX's ``local_cwd`` offers none)::
     python -m titan_kedro.train.parent_death --parent-pid 1234 -- torchrun …
 
 sets the signal on itself, checks that its parent is still process 1234, and ``exec``s the
-command (the signal survives ``exec``), with ``TITAN_KEDRO_AGENT_PID`` set to its pid: the
-workers torchrun starts compare their parent with it when they set their own signal.
+command (the signal survives ``exec``), with ``TITAN_KEDRO_AGENT_PID`` set to its pid (and
+``TITAN_KEDRO_AGENT_START`` to its start time): the workers torchrun starts compare their
+parent with it when they set their own signal. A worker whose parent is not that agent
+kills itself only if the agent is really gone and it was re-parented (its parent is no
+torchrun and started before the agent); a variable left over from another run (the agent
+alive elsewhere, or the parent a torchrun started later: a worker started by hand) is
+ignored with a warning.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import logging
 import os
 import signal
 import sys
 from collections.abc import Sequence
+
+import psutil
+
+logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 """``prctl`` option: the signal this process gets when its parent thread exits."""
@@ -41,6 +51,9 @@ WORKER_ENV = "TORCHELASTIC_RUN_ID"
 AGENT_PID_ENV = "TITAN_KEDRO_AGENT_PID"
 """Set by the wrapper to its own pid, which torchrun keeps when it is exec'd: the workers'
 expected parent, so a worker whose agent died before it set its signal notices."""
+AGENT_START_ENV = "TITAN_KEDRO_AGENT_START"
+"""The agent's process start time (seconds since the epoch), set with ``AGENT_PID_ENV``."""
+TORCHRUN_MARKERS = ("torch.distributed.run", "torchrun", "titan_kedro.train.loopback_agent")
 
 
 def set_parent_death_signal(sig: int) -> bool:
@@ -92,8 +105,60 @@ def end_with_agent() -> bool:
     """
     if WORKER_ENV not in os.environ:
         return False
-    agent = os.environ.get(AGENT_PID_ENV)
-    return die_with_parent(signal.SIGKILL, int(agent) if agent else None)
+    return die_with_parent(signal.SIGKILL, expected_agent())
+
+
+def _started(pid: int) -> float | None:
+    try:
+        return float(psutil.Process(pid).create_time())
+    except (psutil.Error, ValueError):
+        return None
+
+
+def _is_torchrun(pid: int) -> bool:
+    try:
+        cmdline = " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
+    return any(marker in cmdline for marker in TORCHRUN_MARKERS)
+
+
+def expected_agent(environ: dict[str, str] | None = None) -> int | None:
+    """The agent this worker must die with: ``TITAN_KEDRO_AGENT_PID`` when it is (or was)
+    really this worker's agent, else None (its parent now) with a warning.
+
+    The parent differs from the named agent legitimately when the agent died before the
+    worker set its signal: then the agent is gone, and the worker's new parent (init, a
+    subreaper) is no torchrun and older than the agent. Anything else means the variable
+    is not about this worker (inherited from another run; a worker started by hand).
+    """
+    env = os.environ if environ is None else environ
+    value = env.get(AGENT_PID_ENV)
+    if not value:
+        return None
+    parent = os.getppid()
+    try:
+        agent = int(value)
+        recorded = float(env[AGENT_START_ENV]) if env.get(AGENT_START_ENV) else None
+    except ValueError:
+        logger.warning("ignoring %s=%r: not a pid", AGENT_PID_ENV, value)
+        return None
+    if agent == parent:
+        return agent
+    started = _started(agent)
+    agent_alive = started is not None and (recorded is None or abs(started - recorded) < 1.0)
+    parent_started = _started(parent)
+    parent_is_newer = (
+        recorded is not None and parent_started is not None and parent_started > recorded + 1.0
+    )
+    if agent_alive or parent_is_newer or _is_torchrun(parent):
+        logger.warning(
+            "ignoring %s=%s: that process is not this worker's torchrun agent (its parent is "
+            "pid %d); the variable was inherited from another run",
+            AGENT_PID_ENV, agent, parent,
+        )  # fmt: skip
+        return None
+    return agent  # gone: this worker was re-parented, and dies at once
 
 
 def guarded_command(command: Sequence[str], *, python: str = sys.executable) -> list[str]:
@@ -129,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ORPHANED_EXIT_CODE
     die_with_parent(WRAPPER_SIGNAL, args.parent_pid)
     os.environ[AGENT_PID_ENV] = str(os.getpid())
+    os.environ[AGENT_START_ENV] = repr(psutil.Process().create_time())
     os.execvp(command[0], command)
     return 0  # not reached: exec replaced this process
 

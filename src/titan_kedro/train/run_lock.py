@@ -14,17 +14,39 @@ Whether the holder is alive:
   lock is stale once it is older than ``checkpoint.lock_timeout_s``.
 
 A stale lock is taken over with a warning. A restarted worker group (torchrun restart,
-same torchrun run id) takes over its own earlier attempt's lock. ``checkpoint.break_lock``
-takes any lock: for a holder known to be gone that the checks cannot see as such.
+same torchrun run id) takes over its own earlier attempt's lock once that attempt's process
+is gone (on this host: its pid no longer runs as recorded; on another host the restart
+itself says so). ``checkpoint.break_lock`` takes any lock: for a holder known to be gone
+that the checks cannot see as such.
+
+No ``flock`` is needed (NFS has none for folders): the lock file appears complete by
+``link`` of a private file, which fails if a lock exists; a stale lock is replaced only by
+the one process that creates the take-over claim ``writer.lock.takeover-<token>`` (an
+``O_EXCL`` create) for that lock's fencing token, after checking the lock still holds that
+token. Each holder writes a fresh random ``token`` and verifies it before every heartbeat
+refresh and every checkpoint save (:func:`verify_writer`, called by the checkpoint
+manager): a holder whose lock was taken over stops refreshing it, logs an error, and its
+next save raises :class:`RunFolderLockLostError`.
+
+What is guaranteed on NFS (v3 or later: atomic ``link``/``rename``, exclusive create, and
+close-to-open consistency, which re-reads a file's content at each open): two starts never
+both take the lock, and a holder that lost its lock notices at its next heartbeat or save.
+Not guaranteed: a holder on another host that stalls (a paused process, a partitioned
+node) past ``checkpoint.lock_timeout_s`` is judged gone and its lock taken over; until its
+next verify it may still write, so its writes between its last verify and that moment
+can overlap the new holder's (a fencing token checked by the storage itself would be
+needed). Releasing checks the token and then removes the file: not atomic, harmless
+unless the holder was already judged gone.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import hashlib
 import json
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -50,6 +72,10 @@ class RunFolderLockedError(RuntimeError):
     """Another live process trains into this run folder."""
 
 
+class RunFolderLockLostError(RuntimeError):
+    """This writer's run folder lock was taken over or removed: it must stop writing."""
+
+
 @dataclass(frozen=True)
 class LockHolder:
     """Who holds a run folder (the lock file's content)."""
@@ -63,6 +89,13 @@ class LockHolder:
     run_id: str | None = None
     group: str | None = None
     """torchrun's run id of the holder's worker group (None outside torchrun)."""
+    token: str | None = None
+    """The fencing token: random, written at take-over, verified by the holder."""
+
+    def fingerprint(self) -> str:
+        """The token (a hash of the content for a lock written without one)."""
+        text = json.dumps(asdict(self), sort_keys=True)
+        return self.token or hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def describe(self, heartbeat_age_s: float | None = None) -> str:
         """``pid 123 on host h (run r, since 2026-…Z, heartbeat 4 s ago)``."""
@@ -83,6 +116,7 @@ def this_process(run_id: str | None = None) -> LockHolder:
         taken=time.time(),
         run_id=run_id,
         group=os.environ.get(GROUP_ENV),
+        token=secrets.token_hex(16),
     )
 
 
@@ -120,10 +154,19 @@ def holder_alive(holder: LockHolder, heartbeat_age_s: float, timeout_s: float) -
     return abs(started - holder.process_start) < 1.0
 
 
-def _own_earlier_attempt(holder: LockHolder) -> bool:
+def _own_earlier_attempt(holder: LockHolder, heartbeat_age_s: float, timeout_s: float) -> bool:
+    """A restart of the holder's own worker group, whose earlier attempt is gone.
+
+    On this host the holder's process is checked (a live one that shares the torchrun run
+    id is another group, not an earlier attempt); on another host the restart says so.
+    """
     group = os.environ.get(GROUP_ENV)
     restarted = int(os.environ.get(RESTART_ENV, "0") or 0) > 0
-    return restarted and group is not None and holder.group == group
+    if not (restarted and group is not None and holder.group == group):
+        return False
+    if holder.host == socket.gethostname():
+        return not holder_alive(holder, heartbeat_age_s, timeout_s)
+    return True
 
 
 def check_run_folder(
@@ -147,7 +190,11 @@ def check_run_folder(
     if found is None:
         return None
     holder, age = found
-    if break_lock or _own_earlier_attempt(holder) or not holder_alive(holder, age, timeout_s):
+    if (
+        break_lock
+        or _own_earlier_attempt(holder, age, timeout_s)
+        or not holder_alive(holder, age, timeout_s)
+    ):
         return holder
     other_host = holder.host != socket.gethostname()
     hint = (
@@ -163,29 +210,136 @@ def check_run_folder(
     )
 
 
-@contextlib.contextmanager
-def _folder_mutex(folder: Path) -> Iterator[None]:
-    """Serialise lock changes on this host (``flock`` on the folder itself).
-
-    Best effort: a filesystem that cannot ``flock`` a folder (NFS turns it into a POSIX
-    lock, which needs a writable file) leaves only two starts within the same instant
-    unserialised.
-    """
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as err:
-            logger.debug("cannot flock %s (%s): lock changes not serialised", folder, err)
-        yield
-    finally:
-        os.close(fd)
-
-
-def _write_lock(path: Path, holder: LockHolder) -> None:
-    tmp = path.with_name(f"{path.name}.{holder.pid}.tmp")
+def _private_copy(path: Path, holder: LockHolder) -> Path:
+    tmp = path.with_name(f"{path.name}.{holder.token}.tmp")
     tmp.write_text(json.dumps(asdict(holder)), encoding="utf-8")
-    os.replace(tmp, path)
+    return tmp
+
+
+def _create(path: Path, holder: LockHolder) -> bool:
+    """Make ``path`` hold ``holder`` if no lock exists (``link``: atomic, also on NFS)."""
+    tmp = _private_copy(path, holder)
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        # NFS may report a retransmitted link that succeeded as failed: the count tells.
+        if os.stat(tmp).st_nlink == 2:
+            return True
+        return _create_exclusive(path, tmp)  # no hard links here
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _create_exclusive(path: Path, tmp: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as out:
+        out.write(tmp.read_bytes())
+    return True
+
+
+def _claim(path: Path, stale: LockHolder) -> Path | None:
+    """The take-over claim for ``stale`` (None: another process claimed it first)."""
+    claim = path.with_name(f"{path.name}.takeover-{stale.fingerprint()}")
+    try:
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return None
+    return claim
+
+
+def _take(folder: Path, me: LockHolder, *, timeout_s: float, break_lock: bool) -> None:
+    """Make ``me`` the holder of ``folder``'s lock, or raise ``RunFolderLockedError``."""
+    path = folder / LOCK_FILE
+    for _ in range(8):  # a lock released or replaced meanwhile: look again
+        previous = check_run_folder(folder, timeout_s=timeout_s, break_lock=break_lock)
+        if previous is None:
+            if _create(path, me):
+                return
+            continue
+        claim = _claim(path, previous)
+        if claim is None:
+            raise RunFolderLockedError(
+                f"run folder {folder}: another process is taking over the lock of "
+                f"{previous.describe()} right now"
+            )
+        try:
+            current = read_holder(folder)
+            if current is None or current[0] != previous:
+                continue  # released or replaced since it was read
+            if _own_earlier_attempt(previous, current[1], timeout_s):
+                logger.info(
+                    "run folder %s: taking over this group's earlier attempt's lock", folder
+                )
+            else:
+                logger.warning(
+                    "run folder %s: taking over the lock of %s (%s)",
+                    folder,
+                    previous.describe(),
+                    "checkpoint.break_lock" if break_lock else "the holder is gone",
+                )
+            os.replace(_private_copy(path, me), path)
+            return
+        finally:
+            claim.unlink(missing_ok=True)  # the lock it names is gone: no claim can match
+    raise RunFolderLockedError(f"run folder {folder}: its lock keeps changing; try again")
+
+
+def _verify(path: Path, me: LockHolder) -> None:
+    try:
+        found = read_holder(path.parent)
+    except RunFolderLockedError as err:
+        found, detail = None, str(err)
+    else:
+        detail = "it was removed" if found is None else f"it now names {found[0].describe()}"
+    if found is not None and found[0].token == me.token:
+        return
+    raise RunFolderLockLostError(
+        f"this writer ({me.describe()}) lost the lock of run folder {path.parent}: {detail}. "
+        "Another run may be writing there; this one stops instead of mixing checkpoints"
+    )
+
+
+@dataclass
+class _Held:
+    path: Path
+    me: LockHolder
+    lost: str | None = None
+    """Why the heartbeat found the lock lost (None: still held)."""
+
+
+_HELD: dict[Path, _Held] = {}
+"""The locks this process holds, by resolved run folder."""
+
+
+def verify_writer(folder: str | Path, *, fresh: bool = True) -> None:
+    """Raise if this process held ``folder``'s lock and lost it (no-op for a folder whose
+    lock another process holds, e.g. a replica-group launcher).
+
+    Args:
+        folder: The run folder.
+        fresh: Read the lock file now (before a checkpoint save); else only what the
+            heartbeat found.
+
+    Raises:
+        RunFolderLockLostError: The lock was taken over or removed.
+    """
+    held = _HELD.get(Path(folder).resolve())
+    if held is None:
+        return
+    if held.lost is not None:
+        raise RunFolderLockLostError(held.lost)
+    if fresh:
+        try:
+            _verify(held.path, held.me)
+        except RunFolderLockLostError as err:
+            held.lost = str(err)
+            raise
 
 
 @contextlib.contextmanager
@@ -211,21 +365,11 @@ def hold_run_folder(
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_FILE
     me = this_process(run_id)
-    with _folder_mutex(folder):
-        previous = check_run_folder(folder, timeout_s=timeout_s, break_lock=break_lock)
-        if previous is not None and _own_earlier_attempt(previous):
-            logger.info("run folder %s: taking over this group's earlier attempt's lock", folder)
-        elif previous is not None:
-            logger.warning(
-                "run folder %s: taking over the lock of %s (%s)",
-                folder,
-                previous.describe(),
-                "checkpoint.break_lock" if break_lock else "the holder is gone",
-            )
-        _write_lock(path, me)
+    _take(folder, me, timeout_s=timeout_s, break_lock=break_lock)
+    held = _HELD[folder.resolve()] = _Held(path, me)
     stop = threading.Event()
     heartbeat = threading.Thread(
-        target=_heartbeat, args=(path, stop, timeout_s / HEARTBEATS_PER_TIMEOUT),
+        target=_heartbeat, args=(held, stop, timeout_s / HEARTBEATS_PER_TIMEOUT),
         daemon=True, name="run-lock-heartbeat",
     )  # fmt: skip
     heartbeat.start()
@@ -234,15 +378,22 @@ def hold_run_folder(
     finally:
         stop.set()
         heartbeat.join()
-        with _folder_mutex(folder), contextlib.suppress(RunFolderLockedError):
+        _HELD.pop(folder.resolve(), None)
+        with contextlib.suppress(RunFolderLockedError):
             found = read_holder(folder)
-            if found is not None and found[0] == me:  # not taken over meanwhile
-                path.unlink()
+            if found is not None and found[0].token == me.token:  # not taken over meanwhile
+                path.unlink(missing_ok=True)
 
 
-def _heartbeat(path: Path, stop: threading.Event, every_s: float) -> None:
+def _heartbeat(held: _Held, stop: threading.Event, every_s: float) -> None:
     while not stop.wait(every_s):
         try:
-            os.utime(path)
-        except OSError as err:  # taken over or removed by hand: say so, keep training
-            logger.warning("cannot refresh the run folder lock %s: %s", path, err)
+            _verify(held.path, held.me)
+        except RunFolderLockLostError as err:
+            held.lost = str(err)
+            logger.error("%s (at its next checkpoint save)", err)
+            return  # never refresh another holder's lock
+        try:
+            os.utime(held.path)
+        except OSError as err:  # removed meanwhile: the next check says so
+            logger.warning("cannot refresh the run folder lock %s: %s", held.path, err)

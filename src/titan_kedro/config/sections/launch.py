@@ -57,8 +57,9 @@ class LaunchSection(Section):
     rdzv_endpoint: str | None = None
     """``host:port`` of the c10d rendezvous. None: standalone (``local``), the rank-0 node's
     port 29500 (TorchX schedulers) or a free port here (``local_cwd``)."""
-    rdzv_id: str = "titan-kedro"
-    """Rendezvous id of a hand-started torchrun (TorchX jobs use their app id)."""
+    rdzv_id: str | None = None
+    """Rendezvous id with ``rdzv_endpoint`` (TorchX jobs use their app id). None: a random,
+    unguessable id per launch."""
     max_restarts: StrictInt = Field(0, ge=0)
     """torchrun restarts the worker group this often; training resumes from the latest checkpoint."""
     log_dir: str = "data/07_model_output/logs"

@@ -46,6 +46,7 @@ from titan_kedro.train.checkpoint.publish import (
 from titan_kedro.train.checkpoint.rank_zero import on_rank_zero
 from titan_kedro.train.checkpoint.resume import find_checkpoint, latest_checkpoint
 from titan_kedro.train.checkpoint.safe_load import UnsafeCheckpointError, safe_dcp_load
+from titan_kedro.train.run_lock import verify_writer
 
 logger = logging.getLogger(__name__)
 
@@ -188,12 +189,14 @@ class CheckpointManager:
         return final
 
     def _prepare_folder(self) -> None:
+        verify_writer(self.folder)  # a writer whose run folder lock was taken over stops
         self.folder.mkdir(parents=True, exist_ok=True)
         recover_interrupted_publish(self.folder)
         sweep_unfinished(self.folder)
 
     @staticmethod
     def _publish(tmp: Path, final: Path, meta: CheckpointMetadata) -> None:
+        verify_writer(final.parent)
         meta.write(tmp)  # last: a folder with metadata.json is a complete checkpoint
         publish_folder(tmp, final)
 
