@@ -64,6 +64,7 @@ def job(model: dict[str, Any], shape: dict[str, int], **training: Any) -> dict[s
         "metrics": {"peak_tflops": 1.0},
         "plan": {"device_memory_gib": 16.0},
         "training": {"device": "cpu", "steps": STEPS, "num_threads": 1, **shape, **training},
+        "lr_scheduler": {"warmup_steps": 1},  # a warm-up within the run's few steps
     }
 
 

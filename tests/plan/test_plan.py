@@ -400,6 +400,7 @@ def test_planned_peak_difference_is_the_real_workers_vmhwm_difference_within_15_
     planned, measured = [], []
     for shape in ({"seq_len": 128, "local_batch_size": 2}, {"seq_len": 256, "local_batch_size": 4}):
         raw = _raw(training={**shape, "steps": 3, "num_threads": 1})
+        raw["lr_scheduler"] = {"warmup_steps": 1}  # a warm-up within the 3 steps
         planned.append(build_plan(resolve_job_config(raw))["bytes_per_rank"]["total"])
         raw["training"]["cpu_keep_freed_memory"] = False
         measured.append(worker_peak_resident(raw, 1, env=env)["vmhwm_gib"] * 2**30)

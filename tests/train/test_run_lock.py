@@ -134,6 +134,31 @@ def test_a_worker_started_by_hand_in_a_held_folder_refuses(tmp_path: Path) -> No
     assert not (tmp_path / "job" / "metrics.jsonl").exists()
 
 
+def _race_two_writers(folder: Path, timeout_s: float) -> list[str]:
+    """Two threads take ``folder``'s lock at once; each holds it (if it got it) until the
+    other has tried. Returns their outcomes, sorted: ``held`` / ``refused``."""
+    import threading
+
+    tried = threading.Barrier(2, timeout=10)
+    outcome: dict[str, str] = {}
+
+    def writer(name: str) -> None:
+        try:
+            with hold_run_folder(folder, timeout_s=timeout_s):
+                outcome[name] = "held"
+                tried.wait()  # still holding while the other one tries
+        except RunFolderLockedError:
+            outcome[name] = "refused"
+            tried.wait()
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    return sorted(outcome.values())
+
+
 def test_two_writers_without_flock_never_both_hold_the_lock(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -159,24 +184,7 @@ def test_two_writers_without_flock_never_both_hold_the_lock(
     monkeypatch.setattr(run_lock, "read_holder", read_then_wait)
     folder = tmp_path / "run-1"
     folder.mkdir()
-    tried = threading.Barrier(2, timeout=10)
-    outcome: dict[str, str] = {}
-
-    def writer(name: str) -> None:
-        try:
-            with hold_run_folder(folder, timeout_s=TIMEOUT_S):
-                outcome[name] = "held"
-                tried.wait()  # still holding while the other one tries
-        except RunFolderLockedError:
-            outcome[name] = "refused"
-            tried.wait()
-
-    threads = [threading.Thread(target=writer, args=(n,)) for n in ("a", "b")]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(20)
-    assert sorted(outcome.values()) == ["held", "refused"], outcome
+    assert _race_two_writers(folder, TIMEOUT_S) == ["held", "refused"]
 
 
 def test_two_writers_taking_over_one_stale_lock_never_both_hold_it(
@@ -202,24 +210,7 @@ def test_two_writers_taking_over_one_stale_lock_never_both_hold_it(
         return found
 
     monkeypatch.setattr(run_lock, "read_holder", read_then_wait)
-    tried = threading.Barrier(2, timeout=10)
-    outcome: dict[str, str] = {}
-
-    def writer(name: str) -> None:
-        try:
-            with hold_run_folder(folder, timeout_s=60):
-                outcome[name] = "held"
-                tried.wait()
-        except RunFolderLockedError:
-            outcome[name] = "refused"
-            tried.wait()
-
-    threads = [threading.Thread(target=writer, args=(n,)) for n in ("a", "b")]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(20)
-    assert sorted(outcome.values()) == ["held", "refused"], outcome
+    assert _race_two_writers(folder, 60) == ["held", "refused"]
 
 
 def test_a_holder_whose_lock_was_taken_over_notices_and_stops_refreshing(
