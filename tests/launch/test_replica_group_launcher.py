@@ -27,9 +27,11 @@ sys.exit(action["rc"])
 
 
 def _launcher(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: dict
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, group_1: dict
 ) -> ReplicaGroupLauncher:
-    """A two-group launcher whose groups run ``script[g]``: sleep, print, exit with ``rc``."""
+    """A two-group launcher: group 0 finishes at once, group 1 runs ``group_1`` (sleep,
+    print, exit with ``rc``)."""
+    script = {0: {"sleep_s": 0.0, "say": "done", "rc": 0}, 1: group_1}
     raw = tiny_job(
         tmp_path,
         tmp_path / "tokens",
@@ -51,10 +53,7 @@ def test_a_group_failing_after_another_finished_fails_the_job_with_its_output(
     launcher = _launcher(
         tmp_path,
         monkeypatch,
-        {
-            0: {"sleep_s": 0.0, "say": "done", "rc": 0},
-            1: {"sleep_s": 1.5, "say": "Traceback: the digest write failed", "rc": 3},
-        },
+        {"sleep_s": 1.5, "say": "Traceback: the digest write failed", "rc": 3},
     )
     ft = launcher.cfg.fault_tolerance
     with pytest.raises(TrainingFailedError) as failure:
@@ -70,13 +69,6 @@ def test_a_group_failing_after_another_finished_fails_the_job_with_its_output(
 def test_groups_that_all_exit_zero_finish_the_job(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    launcher = _launcher(
-        tmp_path,
-        monkeypatch,
-        {
-            0: {"sleep_s": 0.0, "say": "done", "rc": 0},
-            1: {"sleep_s": 1.0, "say": "done", "rc": 0},
-        },
-    )
+    launcher = _launcher(tmp_path, monkeypatch, {"sleep_s": 1.0, "say": "done", "rc": 0})
     launcher._run_groups(launcher.cfg.fault_tolerance, deadline=None)
     assert all(group.finished for group in launcher.groups)
