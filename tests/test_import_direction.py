@@ -14,7 +14,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "titan_kedro"
-LIBRARY = ("config", "components", "data", "models", "train", "plan", "launch", "tracking", "ft")
+LIBRARY = (
+    "config",
+    "components",
+    "data",
+    "models",
+    "runs",
+    "train",
+    "plan",
+    "launch",
+    "tracking",
+    "ft",
+)
 
 
 def _imports(path: Path) -> set[str]:
@@ -185,3 +196,10 @@ def test_launching_sits_above_training() -> None:
     assert graph["launch"] >= {"config"}, graph["launch"]  # the graph was read
     assert "launch" not in graph["train"], "train/ imports launch/: launching belongs above it"
     assert graph["pipelines"] >= {"launch"}, graph["pipelines"]
+
+
+def test_runs_sit_below_training_and_launching() -> None:
+    graph = _package_graph()
+    assert "runs" in graph["train"] and "runs" in graph["launch"], "the graph was read"
+    above = {"train", "launch", "plan", "pipelines", "hooks"}
+    assert not graph["runs"] & above, f"runs/ imports {sorted(graph['runs'] & above)}"

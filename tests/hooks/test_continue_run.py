@@ -16,9 +16,9 @@ from train.helpers import live_holder, tiny_job
 
 from titan_kedro.hooks.continue_run import CHANGED_TAG, CONTINUED_TAG, ContinueRunHook
 from titan_kedro.models.resolve import resolve_job_config
-from titan_kedro.train.checkpoint.resume import CheckpointRunIdError, find_checkpoint
-from titan_kedro.train.run_identity import ResumeMismatchError, checkpoint_metadata, prepare_run
-from titan_kedro.train.run_lock import RunFolderLockedError
+from titan_kedro.runs.identity import ResumeMismatchError, checkpoint_metadata, prepare_run
+from titan_kedro.runs.lock import RunFolderLockedError
+from titan_kedro.runs.resume import CheckpointRunIdError, find_checkpoint
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "titan_kedro"
 

@@ -44,7 +44,7 @@ def is_worker(proc: psutil.Process) -> bool:
         cmd = proc.cmdline()
     except psutil.Error:
         return False
-    agent = "torch.distributed.run" in cmd or "titan_kedro.train.loopback_agent" in cmd
+    agent = "torch.distributed.run" in cmd or "titan_kedro.runs.loopback_agent" in cmd
     return "titan_kedro.train" in cmd and not agent
 
 

@@ -1,7 +1,7 @@
 """A SIGKILL of the ``kedro run`` process alone ends torchrun and every worker.
 
 torchrun runs in a session of its own and so does each worker, so no signal to the
-launcher's process group reaches them; the parent-death signal (``train.parent_death``)
+launcher's process group reaches them; the parent-death signal (``runs.parent_death``)
 does.
 """
 
@@ -22,7 +22,7 @@ import pytest
 from launch.job_processes import descendants, is_worker, start_training_node, wait_for_workers
 from train.helpers import REPO, tiny_job, write_token_dir
 
-from titan_kedro.train.parent_death import (
+from titan_kedro.runs.parent_death import (
     AGENT_PID_ENV,
     AGENT_START_ENV,
     ORPHANED_EXIT_CODE,
@@ -34,7 +34,7 @@ ENDED_WITHIN_S = 10
 
 LAUNCHER = """
 import subprocess, sys
-from titan_kedro.train.parent_death import guarded_command
+from titan_kedro.runs.parent_death import guarded_command
 child = subprocess.Popen(guarded_command([sys.executable, "-c", "import time; time.sleep(600)"]))
 print(child.pid, flush=True)
 child.wait()
@@ -54,7 +54,7 @@ def test_a_guarded_command_ends_when_its_launcher_is_killed() -> None:
         assert launcher.stdout is not None
         child = psutil.Process(int(launcher.stdout.readline()))
         deadline = time.monotonic() + 60
-        while "titan_kedro.train.parent_death" in child.cmdline():
+        while "titan_kedro.runs.parent_death" in child.cmdline():
             assert time.monotonic() < deadline, "the wrapper never exec'd its command"
             time.sleep(0.1)
         # The wrapper became the command: a sleep of 600 s, the launcher's child.
@@ -150,7 +150,7 @@ def test_a_worker_whose_agent_is_already_gone_ends_at_once(tmp_path: Path) -> No
 
 
 _END_WITH_AGENT = (
-    "from titan_kedro.train.parent_death import end_with_agent; print(end_with_agent())"
+    "from titan_kedro.runs.parent_death import end_with_agent; print(end_with_agent())"
 )
 
 

@@ -130,7 +130,7 @@ def test_continuing_with_other_maths_fails_before_any_worker_starts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from titan_kedro.pipelines.training import nodes
-    from titan_kedro.train.run_identity import ResumeMismatchError
+    from titan_kedro.runs.identity import ResumeMismatchError
 
     tokens = write_token_dir(tmp_path / "tokens")
     checkpoint = tmp_path / "ckpt" / "run-1" / "step-3"

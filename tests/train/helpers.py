@@ -259,7 +259,7 @@ def assert_first_step_moves_weights_by_lr(trainer: Any) -> dict[str, Any]:
 
 HOLDER = """
 import sys, time
-from titan_kedro.train.run_lock import hold_run_folder
+from titan_kedro.runs.lock import hold_run_folder
 with hold_run_folder(sys.argv[1], timeout_s=900, run_id="run-1"):
     print("held", flush=True)
     time.sleep(600)

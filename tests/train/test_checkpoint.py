@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_kedro.train.checkpoint.layout import METADATA
+from titan_kedro.runs.checkpoint_layout import METADATA
+from titan_kedro.runs.checkpoint_metadata import read_checkpoint_metadata
+from titan_kedro.runs.resume import latest_checkpoint, list_checkpoints
 from titan_kedro.train.checkpoint.manager import decode_state, encode_state
-from titan_kedro.train.checkpoint.metadata import read_checkpoint_metadata
-from titan_kedro.train.checkpoint.resume import latest_checkpoint, list_checkpoints
 from titan_kedro.train.checkpoint.safe_load import load_model_weights
 
 

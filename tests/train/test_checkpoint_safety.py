@@ -13,14 +13,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from titan_kedro.train.checkpoint.layout import METADATA
-from titan_kedro.train.checkpoint.publish import (
-    prune_checkpoints,
-    publish_folder,
-    recover_interrupted_publish,
-    sweep_unfinished,
+from titan_kedro.runs.checkpoint_layout import METADATA
+from titan_kedro.runs.identity import (
+    ResumeMismatchError,
+    check_resume_compatible,
+    new_run_id,
+    plan_run,
 )
-from titan_kedro.train.checkpoint.resume import (
+from titan_kedro.runs.resume import (
     RUN_ID_SHAPE,
     CheckpointRunIdError,
     find_checkpoint,
@@ -28,13 +28,13 @@ from titan_kedro.train.checkpoint.resume import (
     list_checkpoints,
     resolve_resume,
 )
-from titan_kedro.train.checkpoint.safe_load import UnsafeCheckpointError, load_model_weights
-from titan_kedro.train.run_identity import (
-    ResumeMismatchError,
-    check_resume_compatible,
-    new_run_id,
-    plan_run,
+from titan_kedro.train.checkpoint.publish import (
+    prune_checkpoints,
+    publish_folder,
+    recover_interrupted_publish,
+    sweep_unfinished,
 )
+from titan_kedro.train.checkpoint.safe_load import UnsafeCheckpointError, load_model_weights
 
 RUN_A = "a" * 32
 RUN_B = "b" * 32
@@ -194,7 +194,7 @@ def test_prune_unpublishes_a_step_before_deleting_it(
 
 
 def test_maths_changes_are_refused_listing_the_keys(tmp_path: Path) -> None:
-    from titan_kedro.train.run_identity import allowed_changes, checkpoint_metadata
+    from titan_kedro.runs.identity import allowed_changes, checkpoint_metadata
     from train.conftest import make_config
 
     base = {
@@ -271,7 +271,7 @@ def test_a_checkpoint_saved_without_its_config_is_compared_on_its_recorded_keys(
 def test_checkpoint_metadata_round_trips_and_refuses_what_the_trainer_never_writes(
     tmp_path: Path,
 ) -> None:
-    from titan_kedro.train.checkpoint.metadata import (
+    from titan_kedro.runs.checkpoint_metadata import (
         CheckpointMetadata,
         CheckpointMetadataError,
     )
@@ -300,7 +300,7 @@ def test_checkpoint_metadata_round_trips_and_refuses_what_the_trainer_never_writ
 def test_one_resolution_reads_the_checkpoint_metadata_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from titan_kedro.train.run_identity import checkpoint_metadata, prepare_run
+    from titan_kedro.runs.identity import checkpoint_metadata, prepare_run
     from train.conftest import make_config
 
     root = tmp_path / "ckpt"

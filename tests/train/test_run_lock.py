@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_kedro.train.run_lock import (
+from titan_kedro.runs.lock import (
     LOCK_FILE,
     LockHolder,
     RunFolderLockedError,
@@ -167,7 +167,7 @@ def test_two_writers_without_flock_never_both_hold_the_lock(
     import fcntl
     import threading
 
-    from titan_kedro.train import run_lock
+    from titan_kedro.runs import lock as run_lock
 
     monkeypatch.setattr(fcntl, "flock", lambda *_a, **_k: None)  # serialises nothing
     both_read = threading.Barrier(2, timeout=10)
@@ -193,7 +193,7 @@ def test_two_writers_taking_over_one_stale_lock_never_both_hold_it(
     import fcntl
     import threading
 
-    from titan_kedro.train import run_lock
+    from titan_kedro.runs import lock as run_lock
 
     monkeypatch.setattr(fcntl, "flock", lambda *_a, **_k: None)  # NFS: serialises nothing
     folder = tmp_path / "run-1"
@@ -216,7 +216,7 @@ def test_two_writers_taking_over_one_stale_lock_never_both_hold_it(
 def test_a_holder_whose_lock_was_taken_over_notices_and_stops_refreshing(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from titan_kedro.train.run_lock import RunFolderLockLostError, verify_writer
+    from titan_kedro.runs.lock import RunFolderLockLostError, verify_writer
 
     folder = tmp_path / "run-1"
     with caplog.at_level(logging.ERROR), hold_run_folder(folder, timeout_s=0.4):

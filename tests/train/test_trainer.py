@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from titan_kedro.models.resolve import resolve_job_config
-from titan_kedro.train.checkpoint.resume import latest_checkpoint, list_checkpoints
+from titan_kedro.runs.resume import latest_checkpoint, list_checkpoints
 from titan_kedro.train.checkpoint.safe_load import load_model_weights
 from titan_kedro.train.trainer import NonFiniteLossError, Trainer
 from titan_kedro.train.validation import mean_loss

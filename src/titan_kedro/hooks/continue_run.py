@@ -2,9 +2,9 @@
 
 Every ``kedro run`` is a new MLflow run unless ``checkpoint.resume`` names a checkpoint.
 Then, before kedro-mlflow opens its run, this hook resolves ``checkpoint.resume`` once
-(``train.checkpoint.resume.resolve_resume``: a concrete ``step-<n>`` folder and its
+(``runs.resume.resolve_resume``: a concrete ``step-<n>`` folder and its
 checked run id), refuses settings that change the maths (the job config saved with the
-checkpoint against this one, all but ``run_identity.ALLOWED_CHANGES``, ``job.seed``
+checkpoint against this one, all but ``runs.identity.ALLOWED_CHANGES``, ``job.seed``
 included: ``check_resume_compatible``, which the training node runs again with the token
 fingerprints), sets kedro-mlflow's public ``tracking.run.id`` so that run is reopened, and
 tags it ``titan_kedro.continued_from`` / ``titan_kedro.changed_params``. Every node that reads ``params:checkpoint`` then gets the
@@ -25,10 +25,10 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from titan_kedro.models.resolve import resolve_job_config
+from titan_kedro.runs.identity import check_resume_compatible, describe_changes, differences
+from titan_kedro.runs.lock import check_run_folder
+from titan_kedro.runs.resume import ResumePoint, resolve_resume
 from titan_kedro.tracking.mlflow_params import loggable_params
-from titan_kedro.train.checkpoint.resume import ResumePoint, resolve_resume
-from titan_kedro.train.run_identity import check_resume_compatible, describe_changes, differences
-from titan_kedro.train.run_lock import check_run_folder
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import mlflow
 from kedro.framework.hooks import hook_impl
 from mlflow.tracking import MlflowClient
 
+from titan_kedro.runs.identity import differences
 from titan_kedro.tracking.mlflow_params import loggable_params, param_name, without_params
-from titan_kedro.train.run_identity import differences
 
 logger = logging.getLogger(__name__)
 

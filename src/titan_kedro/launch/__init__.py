@@ -6,7 +6,7 @@ groups; with ``local_cwd``, a TorchX job of G replicas inside ``replica_group_se
 any TorchX scheduler (``local_cwd``, ``slurm``, ``kubernetes``, …) gets the
 AppDef of ``appdef.build_appdef``, submitted and followed by ``scheduler.run_job``; both
 follow their group with ``supervise``. A run folder that a live run trains into is refused
-first (``train.run_lock``), remote jobs are checked (``preflight``), and ``launch.dryrun``
+first (``runs.lock``), remote jobs are checked (``preflight``), and ``launch.dryrun``
 writes the request instead (``dryrun``). The nodes get the MLflow URI without
 credentials; those travel by name (``secrets``).
 """
@@ -33,7 +33,7 @@ from titan_kedro.launch.replica_groups import ReplicaGroupLauncher, replica_grou
 from titan_kedro.launch.scheduler import run_job
 from titan_kedro.launch.secrets import node_env
 from titan_kedro.launch.torchrun import TrainingFailedError, launch_training, mlflow_env
-from titan_kedro.train.run_lock import RunFolderLockedError, check_run_folder
+from titan_kedro.runs.lock import RunFolderLockedError, check_run_folder
 
 __all__ = [
     "LaunchCheckError",
@@ -74,7 +74,7 @@ def prepare_job(cfg: Any, env: Mapping[str, str]) -> Any:
 def check_run_folder_free(cfg: Any) -> None:
     """Refuse to start a second writer in a run folder that a live run trains into.
 
-    The workers' rank 0 takes the lock (``train.run_lock``); this check fails before
+    The workers' rank 0 takes the lock (``runs.lock``); this check fails before
     anything is written or submitted.
 
     Raises:

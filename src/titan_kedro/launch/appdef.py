@@ -29,7 +29,7 @@ from torchx.specs import macros
 from titan_kedro.config.schema import LOCAL_CWD_SCHEDULER
 from titan_kedro.ft.identity import REPLICA_ID_ENV
 from titan_kedro.launch.torchrun import torchrun_command
-from titan_kedro.train.parent_death import guarded_command
+from titan_kedro.runs.parent_death import guarded_command
 
 ROLE = "train"
 """The role's name (``dist.ddp`` names it after the module: ``titan_kedro.train``)."""

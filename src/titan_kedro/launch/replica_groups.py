@@ -10,7 +10,7 @@ while another group still trains, and heals from it; when every group has finish
 code 0), the job is done. A non-zero exit is never a finish: once another group has
 finished, it fails the job (nothing is left to restart it for). On any way out (success,
 failure, Ctrl-C, ``launch.timeout_s``) every group's process tree and the lighthouses
-are stopped. This process holds the run folder's lock (``train.run_lock``) for the whole
+are stopped. This process holds the run folder's lock (``runs.lock``) for the whole
 job, since the groups share it (a lost lock stops every group); each group's torchrun
 ends with this process.
 
@@ -47,7 +47,7 @@ from titan_kedro.launch.torchrun import (
     start_torchrun,
     stop_torchrun,
 )
-from titan_kedro.train.run_lock import hold_run_folder, verify_writer
+from titan_kedro.runs.lock import hold_run_folder, verify_writer
 
 POLL_S = 0.2
 STREAM_DRAIN_S = 5.0
@@ -142,7 +142,7 @@ class ReplicaGroupLauncher:
 
     def _start(self, group: GroupProcess) -> None:
         """Start the group's torchrun; called from the thread that runs ``run()``, since
-        the group gets SIGKILL when its starting thread ends (``train.parent_death``)."""
+        the group gets SIGKILL when its starting thread ends (``runs.parent_death``)."""
         launch = self.cfg.launch.model_copy(update={"log_dir": str(group.log_dir)})
         cores = os.cpu_count() or 1
         per_process = cores // (launch.nproc_per_node * len(self.groups))

@@ -25,8 +25,8 @@ from typing import IO, Any
 
 from titan_kedro.launch.secrets import redact, secret_values, split_tracking_uri, worker_env
 from titan_kedro.launch.supervise import OutputFollower, supervise
+from titan_kedro.runs.parent_death import guarded_command
 from titan_kedro.tracking.mlflow_logger import RUN_ID_ENV, TRACKING_URI_ENV
-from titan_kedro.train.parent_death import guarded_command
 
 
 class TrainingFailedError(RuntimeError):
@@ -48,9 +48,9 @@ def torchrun_command(
     single node without either uses ``--standalone``. Rank 0's output is teed to the
     console; every rank's output goes to ``log_dir``. Ranks come from the rendezvous, so
     every node runs the same command. ``loopback`` (agents on this machine only): torchrun
-    through ``train.loopback_agent``, whose stores listen on 127.0.0.1 only.
+    through ``runs.loopback_agent``, whose stores listen on 127.0.0.1 only.
     """
-    agent = "titan_kedro.train.loopback_agent" if loopback else "torch.distributed.run"
+    agent = "titan_kedro.runs.loopback_agent" if loopback else "torch.distributed.run"
     cmd = [
         python, "-m", agent,
         f"--nnodes={launch.nnodes}",
@@ -178,7 +178,7 @@ def start_torchrun(
 ) -> TorchrunGroup:
     """Start one torchrun agent (one node's workers) as a child that ends with this process.
 
-    torchrun is started through ``train.parent_death``'s wrapper: it gets SIGKILL when the
+    torchrun is started through ``runs.parent_death``'s wrapper: it gets SIGKILL when the
     calling thread exits, so call this from the thread that follows the group
     (``follow_torchrun``), not a short-lived one.
 

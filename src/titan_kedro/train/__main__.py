@@ -38,9 +38,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from titan_kedro.runs.lock import hold_run_folder
+from titan_kedro.runs.parent_death import end_with_agent
 from titan_kedro.tracking.credentials import adopt_tracking_credentials, install_secret_filter
-from titan_kedro.train.parent_death import end_with_agent
-from titan_kedro.train.run_lock import hold_run_folder
 
 
 def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -56,7 +56,7 @@ def parse_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def run_folder_held(cfg: Any, rank: int) -> contextlib.AbstractContextManager[Any]:
-    """Rank 0 holds the run folder's lock while it trains (``train.run_lock``).
+    """Rank 0 holds the run folder's lock while it trains (``runs.lock``).
 
     Fault-tolerant replica groups share one run folder: their launcher holds the lock for
     the whole job (``launch.replica_groups``), so no group's rank 0 takes it.

@@ -19,8 +19,8 @@ from torch import nn
 
 from titan_kedro.models.generate import generate
 from titan_kedro.models.resolve import ResolvedJob
-from titan_kedro.train.checkpoint.metadata import CheckpointMetadata
-from titan_kedro.train.checkpoint.resume import find_checkpoint, latest_checkpoint
+from titan_kedro.runs.checkpoint_metadata import CheckpointMetadata
+from titan_kedro.runs.resume import find_checkpoint, latest_checkpoint
 from titan_kedro.train.checkpoint.safe_load import load_model_weights
 from titan_kedro.train.device import resolve_device
 from titan_kedro.train.trainer import build_model

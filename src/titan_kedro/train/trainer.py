@@ -24,6 +24,7 @@ from titan_kedro.data.token_store import read_token_metadata
 from titan_kedro.ft.identity import data_shard, restarted_group
 from titan_kedro.models.parallel import autocast_dtype, training_dtypes
 from titan_kedro.models.resolve import ResolvedJob
+from titan_kedro.runs.identity import checkpoint_metadata
 from titan_kedro.tracking.mlflow_logger import MlflowMetricsSink
 from titan_kedro.train.checkpoint.manager import CheckpointManager, ModelState
 from titan_kedro.train.device import env_int, init_process_group, resolve_device, set_cpu_threads
@@ -37,7 +38,6 @@ from titan_kedro.train.fused_loss import (
 from titan_kedro.train.hf_init import load_hf_weights
 from titan_kedro.train.metrics import MetricsLogger, memory_metrics, peak_tflops
 from titan_kedro.train.parallel_dims import ParallelDims
-from titan_kedro.train.run_identity import checkpoint_metadata
 from titan_kedro.train.run_state import (
     TrainBatches,
     TrainState,

@@ -16,8 +16,8 @@ from titan_kedro.data.vocab import check_vocab_fits
 from titan_kedro.launch import TrainingFailedError, launch_job, mlflow_env, prepare_job
 from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.plan import apply_plan_choices, build_plan, check_plan_fits, format_plan
+from titan_kedro.runs.identity import prepare_run
 from titan_kedro.tracking.mlflow_logger import RUN_ID_ENV
-from titan_kedro.train.run_identity import prepare_run
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def train_model(
 
     A new run (``checkpoint.resume: never``) trains from step 0 into
     ``checkpoint.folder/<MLflow run id>``; otherwise the named run is continued after
-    checking that nothing that changes the maths differs (see ``train.run_identity``).
+    checking that nothing that changes the maths differs (see ``runs.identity``).
 
     Args:
         token_metadata: ``metadata.json`` of the token files (orders this node after

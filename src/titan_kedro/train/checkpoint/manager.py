@@ -7,7 +7,7 @@ data loader position and RNG states) gathered into one JSON list indexed by rank
 size DCP reshards model and optimizer, and rank 0's entry gives the (global) data
 position; RNG states are then reseeded. ``metadata.json`` (``metadata.CheckpointMetadata``:
 the step, the world size, the loss, the run id and the resolved job config) is written here
-alone; what a continued run may change is decided in ``titan_kedro.train.run_identity``.
+alone; what a continued run may change is decided in ``titan_kedro.runs.identity``.
 
 Rank 0 alone resolves the resume checkpoint, writes ``metadata.json``, publishes and
 prunes (``publish``); its failures reach every rank (``rank_zero.on_rank_zero``).
@@ -35,8 +35,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titan_kedro.train.checkpoint.layout import step_dir
-from titan_kedro.train.checkpoint.metadata import CheckpointMetadata, CheckpointMetadataError
+from titan_kedro.runs.checkpoint_layout import step_dir
+from titan_kedro.runs.checkpoint_metadata import CheckpointMetadata, CheckpointMetadataError
+from titan_kedro.runs.lock import verify_writer
+from titan_kedro.runs.resume import find_checkpoint, latest_checkpoint
 from titan_kedro.train.checkpoint.publish import (
     prune_checkpoints,
     publish_folder,
@@ -44,9 +46,7 @@ from titan_kedro.train.checkpoint.publish import (
     sweep_unfinished,
 )
 from titan_kedro.train.checkpoint.rank_zero import on_rank_zero
-from titan_kedro.train.checkpoint.resume import find_checkpoint, latest_checkpoint
 from titan_kedro.train.checkpoint.safe_load import UnsafeCheckpointError, safe_dcp_load
-from titan_kedro.train.run_lock import verify_writer
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class CheckpointManager:
         Args:
             step: The optimizer step just taken.
             metadata: What the run records in ``metadata.json`` (run id, loss, job config,
-                …; ``run_identity.checkpoint_metadata``); ``step``, ``world_size`` and
+                …; ``runs.identity.checkpoint_metadata``); ``step``, ``world_size`` and
                 ``saved_at`` are set here.
 
         Raises:

@@ -20,8 +20,8 @@ import re
 import shutil
 from pathlib import Path
 
-from titan_kedro.train.checkpoint.layout import METADATA, STEP_DIR
-from titan_kedro.train.checkpoint.resume import list_checkpoints
+from titan_kedro.runs.checkpoint_layout import METADATA, STEP_DIR
+from titan_kedro.runs.resume import list_checkpoints
 
 logger = logging.getLogger(__name__)
 

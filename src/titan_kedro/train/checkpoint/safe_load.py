@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-from titan_kedro.train.checkpoint.metadata import CheckpointMetadata
+from titan_kedro.runs.checkpoint_metadata import CheckpointMetadata
 
 _SAFE_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     {

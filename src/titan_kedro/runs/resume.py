@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from titan_kedro.train.checkpoint.layout import METADATA, STEP_DIR, is_checkpoint
-from titan_kedro.train.checkpoint.metadata import (
+from titan_kedro.runs.checkpoint_layout import METADATA, STEP_DIR, is_checkpoint
+from titan_kedro.runs.checkpoint_metadata import (
     RUN_ID_KEY,
     RUN_ID_SHAPE,
     CheckpointMetadata,

@@ -10,7 +10,7 @@ rendezvous parameters can name the address to bind; ``TCPStore``'s ``master_list
 (an already listening socket) can. So local launches run this module instead of
 ``torch.distributed.run``::
 
-    python -m titan_kedro.train.loopback_agent <torchrun arguments…>
+    python -m titan_kedro.runs.loopback_agent <torchrun arguments…>
 
 which makes every store server whose host is a loopback name listen on a socket bound to
 127.0.0.1, then runs torchrun's ``main``. The launcher adds ``--local-addr 127.0.0.1`` so

@@ -9,7 +9,7 @@ resolved job config the workers trained with, ``JobConfig.model_dump(mode="json"
 ``math`` (settings derived from it that a continued run must keep: the effective global
 batch, the token fingerprints, and the model and sequence keys that older checkpoints,
 saved without ``config``, are compared on) and ``schedule`` (steps and learning-rate
-settings, reported when a continued run changes them). ``train.run_identity`` decides what
+settings, reported when a continued run changes them). ``runs.identity`` decides what
 a continued run may change.
 """
 
@@ -23,12 +23,12 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from titan_kedro.train.checkpoint.layout import METADATA
+from titan_kedro.runs.checkpoint_layout import METADATA
 
 RUN_ID_KEY = "run_id"
 """The key of a checkpoint's ``metadata.json`` that names its run."""
 RUN_ID_SHAPE = re.compile(r"^[0-9a-f]{32}$")
-"""An MLflow run id, and the ids ``run_identity.new_run_id`` generates without MLflow."""
+"""An MLflow run id, and the ids ``runs.identity.new_run_id`` generates without MLflow."""
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class CheckpointMetadata:
     """The resolved job config the workers trained with (JSON); None in checkpoints of
     older titan_kedro versions."""
     math: Mapping[str, Any] = field(default_factory=dict)
-    """Derived settings a continued run must keep (``run_identity.math_settings``)."""
+    """Derived settings a continued run must keep (``runs.identity.math_settings``)."""
     schedule: Mapping[str, Any] = field(default_factory=dict)
     """Settings a continued run may change and that are reported (``schedule_settings``)."""
 

@@ -12,7 +12,7 @@ be started by a thread that lives as long as it (the launcher's thread that wait
 The launchers start torchrun through this module's wrapper (no ``preexec_fn``, which is
 unsafe in a process with threads; TorchX's ``local_cwd`` offers none)::
 
-    python -m titan_kedro.train.parent_death --parent-pid 1234 -- torchrun …
+    python -m titan_kedro.runs.parent_death --parent-pid 1234 -- torchrun …
 
 sets the signal on itself, checks that its parent is still process 1234, and ``exec``s the
 command (the signal survives ``exec``), with ``TITAN_KEDRO_AGENT_PID`` set to its pid (and
@@ -53,7 +53,7 @@ AGENT_PID_ENV = "TITAN_KEDRO_AGENT_PID"
 expected parent, so a worker whose agent died before it set its signal notices."""
 AGENT_START_ENV = "TITAN_KEDRO_AGENT_START"
 """The agent's process start time (seconds since the epoch), set with ``AGENT_PID_ENV``."""
-TORCHRUN_MARKERS = ("torch.distributed.run", "torchrun", "titan_kedro.train.loopback_agent")
+TORCHRUN_MARKERS = ("torch.distributed.run", "torchrun", "titan_kedro.runs.loopback_agent")
 
 
 def set_parent_death_signal(sig: int) -> bool:
@@ -168,7 +168,7 @@ def guarded_command(command: Sequence[str], *, python: str = sys.executable) -> 
     ``local_cwd``), and a shell around it must ``exec`` it.
     """
     return [
-        python, "-m", "titan_kedro.train.parent_death",
+        python, "-m", "titan_kedro.runs.parent_death",
         "--parent-pid", str(os.getpid()), "--", *command,
     ]  # fmt: skip
 
@@ -176,7 +176,7 @@ def guarded_command(command: Sequence[str], *, python: str = sys.executable) -> 
 def main(argv: Sequence[str] | None = None) -> int:
     """``--parent-pid PID -- command …``: die with ``PID``, then become ``command``."""
     parser = argparse.ArgumentParser(
-        prog="python -m titan_kedro.train.parent_death",
+        prog="python -m titan_kedro.runs.parent_death",
         description="Run a command that is killed when its parent process exits.",
     )
     parser.add_argument("--parent-pid", type=int, required=True, help="the expected parent")

@@ -3,12 +3,12 @@
 A run's id is its MLflow run id (a generated hex id of the same shape without MLflow).
 Its checkpoints live in ``checkpoint.folder/<run id>/step-<n>``. ``checkpoint.resume``
 picks what to continue (``never``, ``latest``, a run id or a checkpoint path), resolved
-once by ``checkpoint.resume.resolve_resume`` (under ``kedro run``, by the hook that
+once by ``runs.resume.resolve_resume`` (under ``kedro run``, by the hook that
 reopens the MLflow run, which hands the node the concrete path); continuing keeps the
 checkpoint's run id, so metrics go on in the same MLflow run and checkpoints in the same
 folder.
 
-A checkpoint's ``metadata.json`` (``checkpoint.metadata.CheckpointMetadata``) holds the
+A checkpoint's ``metadata.json`` (``runs.checkpoint_metadata.CheckpointMetadata``) holds the
 resolved job config its workers trained with. Continuing compares it with the current
 config (``maths_differences``): every setting is a maths setting, refused when changed,
 except those ``ALLOWED_CHANGES`` names (the schedule, where and how the job runs, what it
@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from titan_kedro.data.token_store import token_fingerprints
-from titan_kedro.train.checkpoint.metadata import (
+from titan_kedro.runs.checkpoint_metadata import (
     RUN_ID_SHAPE,
     CheckpointMetadata,
     CheckpointRunIdError,
 )
-from titan_kedro.train.checkpoint.resume import resolve_resume
+from titan_kedro.runs.resume import resolve_resume
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class RunPlan:
 
 def new_run_id() -> str:
     """A fresh run id for a run without MLflow (32 hex digits, like MLflow's:
-    ``checkpoint.resume.RUN_ID_SHAPE``)."""
+    ``runs.checkpoint_metadata.RUN_ID_SHAPE``)."""
     return uuid.uuid4().hex
 
 
@@ -276,7 +276,7 @@ def check_resume_compatible(
         f"cannot continue {checkpoint}: settings that change the maths differ ({listed}). "
         f"Set them back to the checkpoint's values{fix}, or start a new run with "
         "checkpoint.resume=never. What a continued run may change: "
-        "titan_kedro.train.run_identity.ALLOWED_CHANGES"
+        "titan_kedro.runs.identity.ALLOWED_CHANGES"
     )
 
 
@@ -323,7 +323,7 @@ def checkpoint_metadata(cfg: Any, token_metadata: Mapping[str, Any] | None) -> C
         raise CheckpointRunIdError(
             f"job.run_id={run_id!r} is not a run id (32 lowercase hex digits, like an MLflow "
             "run id): its checkpoints could not be continued. Leave job.run_id unset (the "
-            "training node sets it) or use run_identity.new_run_id()"
+            "training node sets it) or use titan_kedro.runs.identity.new_run_id()"
         )
     return CheckpointMetadata(
         step=0,
