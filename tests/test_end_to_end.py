@@ -372,7 +372,11 @@ class Interrupted:
 @pytest.fixture(scope="module")
 def interrupted(e2e: E2ERun) -> Interrupted:
     """A second ``kedro run`` in the e2e project, whose rank 1 exits at step 5."""
-    crash = {"TITAN_KEDRO_CRASH_AT_STEP": "5", "TITAN_KEDRO_CRASH_RANK": "1"}
+    crash = {
+        "TITAN_KEDRO_TEST_HOOKS": "1",
+        "TITAN_KEDRO_CRASH_AT_STEP": "5",
+        "TITAN_KEDRO_CRASH_RANK": "1",
+    }
     failed = kedro_run(
         e2e.project, *TRAIN_ONLY, "--params", "checkpoint.interval=3", extra_env=crash
     )

@@ -102,6 +102,7 @@ def _run_node_with_kill(
         fault_tolerance=FT_ON,
     )
     params["launch"]["scheduler"] = scheduler
+    monkeypatch.setenv("TITAN_KEDRO_TEST_HOOKS", "1")  # the crash, the delay, the digests
     monkeypatch.setenv("TITAN_KEDRO_CRASH_AT_STEP", "5")
     monkeypatch.setenv("TITAN_KEDRO_CRASH_GROUP", "1")
     monkeypatch.setenv("TITAN_KEDRO_DEGRADED_STEP_DELAY_S", str(DEGRADED_DELAY_S))
@@ -236,7 +237,12 @@ def test_a_whole_job_stop_resumes_from_the_leaders_checkpoint(tmp_path: Path) ->
     write_token_dir(tmp_path / "tokens")
     straight = step_losses(_launch_groups(tmp_path, "straight", {}))
     with pytest.raises(TrainingFailedError):  # rank 0 of every group exits at step 6
-        _launch_groups(tmp_path, "stopped", {}, env={"TITAN_KEDRO_CRASH_AT_STEP": "6"})
+        _launch_groups(
+            tmp_path,
+            "stopped",
+            {},
+            env={"TITAN_KEDRO_TEST_HOOKS": "1", "TITAN_KEDRO_CRASH_AT_STEP": "6"},
+        )
     saved = sorted(p.name for p in (tmp_path / "ckpt-stopped").glob("step-*"))
     assert saved == ["step-2", "step-4"]
     resume = {

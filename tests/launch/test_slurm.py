@@ -155,6 +155,7 @@ def crashed(server: Server, project: Path) -> subprocess.CompletedProcess[str]:
         project,
         server.uri(),
         _slurm_params(project),
+        TITAN_KEDRO_TEST_HOOKS="1",
         TITAN_KEDRO_CRASH_AT_STEP="3",
         TITAN_KEDRO_CRASH_RANK="1",
     )

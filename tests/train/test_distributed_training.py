@@ -13,7 +13,7 @@ from titan_kedro.config import dump_job_config
 from titan_kedro.launch.appdef import free_port
 from titan_kedro.launch.torchrun import torchrun_command
 from titan_kedro.models.resolve import resolve_job_config
-from titan_kedro.train.faults import CRASH_RANK_ENV, CRASH_STEP_ENV
+from titan_kedro.train.faults import CRASH_RANK_ENV, CRASH_STEP_ENV, TEST_HOOKS_ENV
 from train.helpers import REPO, read_metrics, run_worker, step_losses, tiny_job, write_token_dir
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,7 @@ def test_killed_worker_is_restarted_and_resumes_from_checkpoint(runs: dict[str, 
         job,
         nproc=2,
         max_restarts=1,
-        extra_env={CRASH_STEP_ENV: "5", CRASH_RANK_ENV: "1"},
+        extra_env={TEST_HOOKS_ENV: "1", CRASH_STEP_ENV: "5", CRASH_RANK_ENV: "1"},
     )
     output = proc.stdout + proc.stderr
     assert "rank 1 exits at step 5" in output
@@ -68,7 +68,10 @@ def test_a_one_rank_checkpoint_continues_on_two_fsdp_ranks(runs: dict[str, Path]
     """One rank trains an unwrapped model; its checkpoint must load into FSDP2 shards."""
     job = tiny_job(runs["root"] / "grown", runs["tokens"], **JOB)
     stopped = run_worker(
-        job, nproc=1, extra_env={CRASH_STEP_ENV: "4", CRASH_RANK_ENV: "0"}, check=False
+        job,
+        nproc=1,
+        extra_env={TEST_HOOKS_ENV: "1", CRASH_STEP_ENV: "4", CRASH_RANK_ENV: "0"},
+        check=False,
     )
     assert stopped.returncode != 0 and (runs["root"] / "grown" / "ckpt" / "step-3").is_dir()
     job["checkpoint"] = {**job["checkpoint"], "resume": "latest"}

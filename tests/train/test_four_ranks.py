@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from titan_kedro.train.faults import CRASH_RANK_ENV, CRASH_STEP_ENV
+from titan_kedro.train.faults import CRASH_RANK_ENV, CRASH_STEP_ENV, TEST_HOOKS_ENV
 from train.helpers import (
     TINY_DEEPSEEK,
     read_metrics,
@@ -96,7 +96,10 @@ def test_two_ranks_then_four_ranks_continue_like_an_uninterrupted_run(tmp_path: 
 
     job = tiny_job(tmp_path / "resized", tokens, **RESUME_JOB)
     stopped = run_worker(
-        job, nproc=2, extra_env={CRASH_STEP_ENV: "4", CRASH_RANK_ENV: "0"}, check=False
+        job,
+        nproc=2,
+        extra_env={TEST_HOOKS_ENV: "1", CRASH_STEP_ENV: "4", CRASH_RANK_ENV: "0"},
+        check=False,
     )
     assert stopped.returncode != 0 and (tmp_path / "resized" / "ckpt" / "step-3").is_dir()
     # Continuing is explicit (checkpoint.resume defaults to never).

@@ -40,15 +40,27 @@ def _run(raw: dict[str, Any], stop_at: int | None = None) -> dict[str, Any]:
         trainer.close()
 
 
+def _no_exit(code: int) -> None:
+    raise AssertionError(f"a test hook ended the process (os._exit({code}))")
+
+
 def _losses(dump: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in read_metrics(dump)}
 
 
-def test_exact_resume_matches_a_straight_run(tmp_path: Path, token_dir: Path) -> None:
+def test_exact_resume_matches_a_straight_run(
+    tmp_path: Path, token_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     job = {"training": {"steps": 6, "global_batch_size": 4}, "checkpoint": {"interval": 100}}
     straight = tiny_job(tmp_path / "straight", token_dir, **job)
     split = tiny_job(tmp_path / "split", token_dir, **job)
+    # The crash hook's variables without the switch (TITAN_KEDRO_TEST_HOOKS): nothing happens.
+    monkeypatch.setenv("TITAN_KEDRO_CRASH_AT_STEP", "2")
+    monkeypatch.setenv("TITAN_KEDRO_CRASH_RANK", "0")
+    monkeypatch.delenv("TITAN_KEDRO_TEST_HOOKS", raising=False)
+    monkeypatch.setattr("os._exit", _no_exit)
     _run(straight)
+    monkeypatch.delenv("TITAN_KEDRO_CRASH_AT_STEP")
     first = _run(split, stop_at=3)
     assert first["final_step"] == 3 and first["checkpoint_dir"].endswith("step-3")
     second = _run({**split, "checkpoint": {**split["checkpoint"], "resume": "latest"}})

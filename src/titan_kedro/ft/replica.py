@@ -23,7 +23,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -42,8 +41,6 @@ logger = logging.getLogger(__name__)
 
 MAX_UNCOMMITTED_STEPS = 10
 """Consecutive steps that fail to commit before the group gives up (raises)."""
-DEGRADED_DELAY_ENV = "TITAN_KEDRO_DEGRADED_STEP_DELAY_S"
-"""Test-only: seconds each step sleeps while fewer than all groups take part."""
 
 
 def _recording(base: type) -> type:
@@ -120,6 +117,8 @@ class ReplicaGroupFT:
         load_state_dict: Loads such a state into this group.
         start_step: Optimizer steps already done (a resumed run).
         identity: The launcher's variables (read from the environment if None).
+        degraded_step_delay_s: Test-only (``train.faults.TestHooks``): seconds each step
+            sleeps while fewer than all groups take part.
     """
 
     def __init__(
@@ -132,6 +131,7 @@ class ReplicaGroupFT:
         load_state_dict: Callable[[dict[str, Any]], None],
         start_step: int = 0,
         identity: ReplicaIdentity | None = None,
+        degraded_step_delay_s: float = 0.0,
     ) -> None:
         ft = cfg.fault_tolerance
         self.groups = ft.replica_groups
@@ -149,6 +149,7 @@ class ReplicaGroupFT:
         # A restarted group's first quorum must include a live peer (it has nothing to train from).
         self._needs_peer = self.identity.attempt > 0
         self.skipped_samples = 0
+        self._degraded_delay_s = degraded_step_delay_s
         timeout = timedelta(seconds=ft.step_timeout_s)
         self.pg = _cross_group_pg(device, timeout)
         with _manager_server_on_loopback():
@@ -211,8 +212,8 @@ class ReplicaGroupFT:
                 "finished or died, so it stops instead of training alone from its own state"
             )
         self._needs_peer = False
-        if self.participants < self.groups and os.environ.get(DEGRADED_DELAY_ENV):
-            time.sleep(float(os.environ[DEGRADED_DELAY_ENV]))  # tests only (train/faults.py)
+        if self._degraded_delay_s and self.participants < self.groups:
+            time.sleep(self._degraded_delay_s)  # tests only (train/faults.py)
 
     @property
     def participants(self) -> int:

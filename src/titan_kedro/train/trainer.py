@@ -29,7 +29,7 @@ from titan_kedro.tracking.mlflow_logger import MlflowMetricsSink
 from titan_kedro.train.checkpoint.manager import CheckpointManager, ModelState
 from titan_kedro.train.device import env_int, init_process_group, resolve_device, set_cpu_threads
 from titan_kedro.train.documents import masking_bos_id
-from titan_kedro.train.faults import maybe_crash
+from titan_kedro.train.faults import TestHooks
 from titan_kedro.train.fused_loss import (
     FusedOutputLoss,
     defer_output_projection,
@@ -81,6 +81,7 @@ class Trainer:
         self.spec = resolved.spec
         self.model_args = resolved.model_args
         self._init_process()
+        self.test_hooks = TestHooks.from_env(self.rank)  # read once; off unless switched on
         self.parallel_dims = ParallelDims.from_config(cfg, self.world_size, self.device)
         self.parallel_dims.build_mesh()
         self.dp_group = self.parallel_dims.dp_mesh.get_group()
@@ -258,6 +259,7 @@ class Trainer:
             state_dict=lambda: live_state(self.stateful, self.batches),
             load_state_dict=lambda state: load_live_state(self.stateful, self.batches, state),
             start_step=self.state.step,
+            degraded_step_delay_s=self.test_hooks.degraded_step_delay_s,
         )
 
     def mixed_precision(self) -> torch.autocast:
@@ -329,8 +331,10 @@ class Trainer:
                 self.metrics.log_once({"peak_tflops": self.peak_tflops}, step=self.state.step)
         step_metrics: dict[str, Any] = {}
         leader = self._leads()  # updated by every step (its quorum) and read at the end
+        crash_at = self.test_hooks.crash_at_step
         while self.state.step < last_step:
-            maybe_crash(self.state.step + 1, self.rank)
+            if self.state.step + 1 == crash_at:
+                self.test_hooks.crash(crash_at, self.rank)
             step_start = time.perf_counter()
             step_metrics = self.train_step()
             if not step_metrics:  # a fault-tolerant step that was not committed
@@ -377,7 +381,7 @@ class Trainer:
             "tokens_seen": self.state.tokens_seen,
             "wall_time_s": time.perf_counter() - start_time,
         }
-        if self.ft is not None:  # lets anyone check that the groups ended in lock-step
+        if self.ft is not None and self.test_hooks.state_digest:  # groups end in lock-step
             self.ft.write_state_digest(Path(cfg.job.dump_folder) / "ft", self.rank, self.state.step)
         if self.rank == 0 and leader:
             write_summary(cfg.job.dump_folder, summary)
