@@ -11,6 +11,7 @@ import copy
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,10 +20,10 @@ from titan_kedro.models.counting import count_parameters
 from titan_kedro.models.parallel import training_dtypes
 from titan_kedro.models.resolve import ResolvedJob
 from titan_kedro.plan import step_planner
-from titan_kedro.plan.devices import GIB, planned_device, planned_kind
-from titan_kedro.plan.fake_step import with_checkpointed
+from titan_kedro.plan.devices import GIB, PlannedDevice, planned_device, planned_kind
+from titan_kedro.plan.fake_step import StepMeasurement, with_checkpointed
 from titan_kedro.plan.fake_world import fake_process_group
-from titan_kedro.plan.memory import activation_bytes, measure_sharded
+from titan_kedro.plan.memory import ShardedBytes, activation_bytes, measure_sharded
 from titan_kedro.plan.report import (
     KINDS,
     PlanDoesNotFitError,
@@ -97,13 +98,70 @@ def _measurement_key(resolved: ResolvedJob) -> str:
     )
 
 
+@dataclass(frozen=True)
+class _Measured:
+    """What the fake world measured for one plan (``_fake_step``)."""
+
+    dims: ParallelDims
+    step: StepPlanner
+    measured: StepMeasurement
+    choice: dict[str, Any] | None
+    sharded: ShardedBytes
+    formula: dict[str, int]
+    fused: bool
+    tokens: int
+
+
 def _measure(resolved: ResolvedJob) -> dict[str, Any]:
     start = time.perf_counter()
-    cfg, spec, args = resolved.config, resolved.spec, resolved.model_args
-    world = cfg.launch.world_size
+    cfg = resolved.config
     kind = planned_kind(cfg)
     compute_dtype, reduce_dtype = training_dtypes(cfg, torch.device(kind))
     device = planned_device(cfg, compute_dtype)
+    m = _fake_step(resolved, kind, device, compute_dtype, reduce_dtype)
+    per_rank = _bytes_per_rank(m.measured)
+    method = "fake_step_extrapolated" if m.step.extrapolated else "fake_step"
+    reserved = cfg.plan.reserved_gib
+    headroom = device.memory_gib - reserved - per_rank["total"] / GIB
+    plan: dict[str, Any] = {
+        "world_size": cfg.launch.world_size,
+        "layout": _layout(m.dims, cfg.grad_accum_steps),
+        "device": _device_entry(device),
+        "compute_dtype": str(compute_dtype).removeprefix("torch."),
+        "reduce_dtype": str(reduce_dtype).removeprefix("torch."),
+        "activation_checkpoint": cfg.training.activation_checkpoint,
+        "activation_checkpoint_blocks": m.measured.checkpointed,
+        "fused_loss": bool(m.fused),
+        "micro_batch_tokens": m.tokens,
+        "bytes_per_rank": per_rank,
+        "gib_per_rank": {kind_: value / GIB for kind_, value in per_rank.items()},
+        "figures": _figures(per_rank, method),
+        "peak_at": m.measured.peak_at,
+        "extrapolated": m.step.extrapolation_note(),
+        "cuda_corrections": m.step.corrections(),
+        "checkpoint_choice": m.choice,
+        "formula_cross_check": _formula_cross_check(m.sharded, m.formula),
+        "device_memory_gib": device.memory_gib,
+        "reserved_gib": reserved,
+        "fits": headroom >= 0,
+        "headroom_gib": headroom,
+        "cost": _cost(resolved, device, m.measured, method),
+    }
+    plan["suggestions"] = [] if plan["fits"] else suggestions(plan, resolved)
+    plan["planned_in_s"] = time.perf_counter() - start
+    return plan
+
+
+def _fake_step(
+    resolved: ResolvedJob,
+    kind: str,
+    device: PlannedDevice,
+    compute_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+) -> _Measured:
+    """The layout, the sharded state and the fake step, in a fake world of ``world_size``."""
+    cfg, spec, args = resolved.config, resolved.spec, resolved.model_args
+    world = cfg.launch.world_size
     budget = int((device.memory_gib - cfg.plan.reserved_gib) * GIB)
     tokens = cfg.training.local_batch_size * cfg.training.seq_len
     with fake_process_group(world):
@@ -132,85 +190,88 @@ def _measure(resolved: ResolvedJob) -> dict[str, Any]:
         del model
         step = StepPlanner(resolved, dims, device, sharded, kind == "cuda")
         measured, choice = step.plan_checkpointing(budget)
-    per_rank = {kind_: int(measured.parts.get(kind_, 0)) for kind_ in KINDS}
+    return _Measured(dims, step, measured, choice, sharded, formula, fused, tokens)
+
+
+def _bytes_per_rank(measured: StepMeasurement) -> dict[str, int]:
+    """Bytes by kind at the peak, ``other`` (the rest) and ``total``."""
+    per_rank = {kind: int(measured.parts.get(kind, 0)) for kind in KINDS}
     per_rank["other"] = measured.peak_bytes - sum(per_rank.values())
     per_rank["total"] = measured.peak_bytes
-    method = "fake_step_extrapolated" if step.extrapolated else "fake_step"
+    return per_rank
+
+
+def _figures(per_rank: dict[str, int], method: str) -> dict[str, dict[str, Any]]:
+    """Each figure's bytes and how it was found (the states last)."""
+    states = ("params", "grads", "optimizer")
     figures = {
-        kind_: {"bytes": value, "method": method}
-        for kind_, value in per_rank.items()
-        if kind_ not in ("params", "grads", "optimizer")
+        kind: {"bytes": value, "method": method}
+        for kind, value in per_rank.items()
+        if kind not in states
     }
-    for kind_ in ("params", "grads", "optimizer"):
-        figures[kind_] = {"bytes": per_rank[kind_], "method": method}
-    reserved = cfg.plan.reserved_gib
-    headroom = device.memory_gib - reserved - per_rank["total"] / GIB
-    flops_per_token = spec.training_flops_per_token(args, cfg.training.seq_len)
+    for kind in states:
+        figures[kind] = {"bytes": per_rank[kind], "method": method}
+    return figures
+
+
+def _layout(dims: ParallelDims, grad_accum_steps: int) -> dict[str, int]:
+    return {
+        "dp_replicate": dims.dp_replicate,
+        "dp_shard": dims.dp_shard,
+        "ep": dims.ep,
+        "dp_shard_mod_ep": dims.dp_shard_mod_ep,
+        "grad_accum_steps": grad_accum_steps,
+    }
+
+
+def _device_entry(device: PlannedDevice) -> dict[str, Any]:
+    return {
+        "kind": device.kind,
+        "name": device.name,
+        "memory_gib": device.memory_gib,
+        "peak_tflops": device.peak_tflops,
+        "memory_bandwidth_gbs": device.bandwidth_gbs,
+    }
+
+
+def _formula_cross_check(sharded: ShardedBytes, formula: dict[str, int]) -> dict[str, Any]:
+    return {
+        "method": "formula",
+        "params": sharded.params,
+        "grads": sharded.grads,
+        "optimizer": sharded.optimizer,
+        "gathered_params": sharded.gathered_params,
+        "unsharded_grads": sharded.unsharded_grads,
+        **formula,
+    }
+
+
+def _cost(
+    resolved: ResolvedJob, device: PlannedDevice, measured: StepMeasurement, method: str
+) -> dict[str, Any]:
+    """FLOPs, the step time at ``plan.assumed_mfu``, the roofline time and the wall time."""
+    cfg, world = resolved.config, resolved.config.launch.world_size
+    flops_per_token = resolved.spec.training_flops_per_token(
+        resolved.model_args, cfg.training.seq_len
+    )
     tokens_per_step = cfg.global_batch_size * cfg.training.seq_len
     flops_per_step = flops_per_token * tokens_per_step
     step_time = flops_per_step / (world * device.peak_tflops * 1e12 * cfg.plan.assumed_mfu)
-    roofline_s = measured.roofline.time_s * cfg.grad_accum_steps
     wall_h = step_time * cfg.training.steps / 3600
-    plan: dict[str, Any] = {
-        "world_size": world,
-        "layout": {
-            "dp_replicate": dims.dp_replicate,
-            "dp_shard": dims.dp_shard,
-            "ep": dims.ep,
-            "dp_shard_mod_ep": dims.dp_shard_mod_ep,
-            "grad_accum_steps": cfg.grad_accum_steps,
-        },
-        "device": {
-            "kind": device.kind,
-            "name": device.name,
-            "memory_gib": device.memory_gib,
-            "peak_tflops": device.peak_tflops,
-            "memory_bandwidth_gbs": device.bandwidth_gbs,
-        },
-        "compute_dtype": str(compute_dtype).removeprefix("torch."),
-        "reduce_dtype": str(reduce_dtype).removeprefix("torch."),
-        "activation_checkpoint": cfg.training.activation_checkpoint,
-        "activation_checkpoint_blocks": measured.checkpointed,
-        "fused_loss": bool(fused),
-        "micro_batch_tokens": tokens,
-        "bytes_per_rank": per_rank,
-        "gib_per_rank": {kind_: value / GIB for kind_, value in per_rank.items()},
-        "figures": figures,
-        "peak_at": measured.peak_at,
-        "extrapolated": step.extrapolation_note(),
-        "cuda_corrections": step.corrections(),
-        "checkpoint_choice": choice,
-        "formula_cross_check": {
-            "method": "formula",
-            "params": sharded.params,
-            "grads": sharded.grads,
-            "optimizer": sharded.optimizer,
-            "gathered_params": sharded.gathered_params,
-            "unsharded_grads": sharded.unsharded_grads,
-            **formula,
-        },
-        "device_memory_gib": device.memory_gib,
-        "reserved_gib": reserved,
-        "fits": headroom >= 0,
-        "headroom_gib": headroom,
-        "cost": {
-            "flops_per_token": flops_per_token,
-            "tokens_per_step": tokens_per_step,
-            "flops_per_step": flops_per_step,
-            "peak_tflops": device.peak_tflops,
-            "assumed_mfu": cfg.plan.assumed_mfu,
-            "steps": cfg.training.steps,
-            "step_time_s": step_time,
-            "roofline_step_time_s": roofline_s,
-            "roofline_method": method,
-            "measured_flops_per_rank_step": measured.roofline.flops * cfg.grad_accum_steps,
-            "wall_time_h": wall_h,
-            "device_hours": wall_h * world,
-        },
+    return {
+        "flops_per_token": flops_per_token,
+        "tokens_per_step": tokens_per_step,
+        "flops_per_step": flops_per_step,
+        "peak_tflops": device.peak_tflops,
+        "assumed_mfu": cfg.plan.assumed_mfu,
+        "steps": cfg.training.steps,
+        "step_time_s": step_time,
+        "roofline_step_time_s": measured.roofline.time_s * cfg.grad_accum_steps,
+        "roofline_method": method,
+        "measured_flops_per_rank_step": measured.roofline.flops * cfg.grad_accum_steps,
+        "wall_time_h": wall_h,
+        "device_hours": wall_h * world,
     }
-    plan["suggestions"] = [] if plan["fits"] else suggestions(plan, resolved)
-    plan["planned_in_s"] = time.perf_counter() - start
-    return plan
 
 
 def _formula_mode(mode: str) -> str:
