@@ -157,7 +157,7 @@ def test_evaluation_pipeline_on_a_checkpoint(tmp_path: Path) -> None:
     # The loss is the trained weights' loss (seed 99), not a fresh model's (seed 3).
     from titan_kedro.data.loader import TokenLoader
 
-    loader = TokenLoader(stream, seq_len=32, local_batch_size=2, dp_rank=0, dp_degree=1, seed=3)
+    loader = TokenLoader(stream, seq_len=32, local_batch_size=2, data_rank=0, data_ranks=1, seed=3)
     expected, _ = validation.mean_loss(trained, iter(loader), spec.build_loss_fn(None), n_batches=2)
     assert results["eval_loss"] == pytest.approx(expected, rel=1e-5)
     assert results["eval_perplexity"] == pytest.approx(math.exp(expected), rel=1e-5)

@@ -146,10 +146,10 @@ def _measure(resolved: ResolvedJob) -> dict[str, Any]:
     reserved = cfg.plan.reserved_gib
     headroom = device.memory_gib - reserved - per_rank["total"] / GIB
     flops_per_token = spec.training_flops_per_token(args, cfg.training.seq_len)
-    tokens_per_step = cfg.global_batch_size * cfg.training.seq_len
+    tokens_per_step = cfg.layout.global_batch_size * cfg.training.seq_len
     flops_per_step = flops_per_token * tokens_per_step
     step_time = flops_per_step / (world * device.peak_tflops * 1e12 * cfg.plan.assumed_mfu)
-    roofline_s = measured.roofline.time_s * cfg.grad_accum_steps
+    roofline_s = measured.roofline.time_s * dims.layout.grad_accum_steps
     wall_h = step_time * cfg.training.steps / 3600
     plan: dict[str, Any] = {
         "world_size": world,
@@ -158,7 +158,7 @@ def _measure(resolved: ResolvedJob) -> dict[str, Any]:
             "dp_shard": dims.dp_shard,
             "ep": dims.ep,
             "dp_shard_mod_ep": dims.dp_shard_mod_ep,
-            "grad_accum_steps": cfg.grad_accum_steps,
+            "grad_accum_steps": dims.layout.grad_accum_steps,
         },
         "device": {
             "kind": device.kind,
@@ -203,7 +203,7 @@ def _measure(resolved: ResolvedJob) -> dict[str, Any]:
             "step_time_s": step_time,
             "roofline_step_time_s": roofline_s,
             "roofline_method": method,
-            "measured_flops_per_rank_step": measured.roofline.flops * cfg.grad_accum_steps,
+            "measured_flops_per_rank_step": measured.roofline.flops * dims.layout.grad_accum_steps,
             "wall_time_h": wall_h,
             "device_hours": wall_h * world,
         },
