@@ -77,9 +77,9 @@ def _check_dispatch_and_combine(rank: int) -> None:
 
 def _check_training_step(rank: int, world: int, ep: int, replicate: int = 1) -> None:
     """One EP (or plain FSDP) step on this rank's batch against the 2-batch reference."""
+    from titan_kedro.config.layout import Layout
     from titan_kedro.models.registry import get_train_spec
     from titan_kedro.train.grad_clip import clip_grad_norm_
-    from titan_kedro.config.layout import Layout
     from titan_kedro.train.parallel_dims import ParallelDims
 
     spec = get_train_spec("deepseek_v2")
