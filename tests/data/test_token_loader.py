@@ -103,7 +103,9 @@ def test_state_from_another_rank_restores_this_rank() -> None:
 
 def test_layout_mismatch_on_resume_is_refused() -> None:
     state = _loader(_stream()).state_dict()
-    other = TokenLoader(_stream(), seq_len=16, local_batch_size=4, data_rank=0, data_ranks=1, seed=0)
+    other = TokenLoader(
+        _stream(), seq_len=16, local_batch_size=4, data_rank=0, data_ranks=1, seed=0
+    )
     with pytest.raises(ValueError, match="seq_len=8 but this loader has 16"):
         other.load_state_dict(state)
 
