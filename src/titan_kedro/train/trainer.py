@@ -275,7 +275,7 @@ class Trainer:
             self.val_tokens,
             seq_len=cfg.training.seq_len,
             local_batch_size=cfg.training.local_batch_size,
-            data_rank=self.parallel_dims.dp_rank,
+            data_rank=self.parallel_dims.dp_rank,  # every group validates the same batches
             data_ranks=self.parallel_dims.dp_degree,
             seed=cfg.job.seed,
             name="validation",
