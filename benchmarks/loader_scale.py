@@ -46,7 +46,7 @@ def _case(path: str, loader: str, *, seq_len: int, batch: int, dp: int, batches:
         from titan_kedro.data.loader import TokenLoader
 
         it = TokenLoader(
-            tokens, seq_len=seq_len, local_batch_size=batch, dp_rank=dp - 1, dp_degree=dp, seed=0
+            tokens, seq_len=seq_len, local_batch_size=batch, data_rank=dp - 1, data_ranks=dp, seed=0
         )
         next_batch = it.__next__
     else:

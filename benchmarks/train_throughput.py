@@ -155,8 +155,8 @@ class HFRunner:
             tokens,
             seq_len=args.seq_len,
             local_batch_size=args.batch,
-            dp_rank=0,
-            dp_degree=1,
+            data_rank=0,
+            data_ranks=1,
             seed=0,
         )
 

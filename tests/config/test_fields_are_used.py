@@ -60,7 +60,7 @@ def test_reads_count_per_section_and_dumping_or_printing_is_no_read() -> None:
         assert repr(cfg) == repr(other) and cfg == other
     assert reads == set()
     with recording() as reads:
-        getattr(cfg.parallelism, "expert_parallel_degree", 1)  # not a field: no read
+        getattr(cfg.parallelism, "no_such_degree", 1)  # not a field: no read
         steps = cfg.training.steps
     assert steps == 200
     assert [config_fields()[read] for read in reads] == ["training.steps"]

@@ -23,20 +23,20 @@ from titan_kedro.config import (
 )
 
 
-class ExpertParallelExt(BaseModel):
+class RouterExt(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    expert_parallel_degree: int = 2
+    router_degree: int = 2
     router_kind: str = "greedy"
 
 
-EXT = [{"parallelism": ExpertParallelExt}]
+EXT = [{"parallelism": RouterExt}]
 
 
 def test_defaults_validate_and_run_on_a_laptop() -> None:
     cfg = build_job_config({})
     assert cfg.training.device == "auto"
     assert cfg.launch.world_size == 1
-    assert cfg.grad_accum_steps == 1
+    assert cfg.layout.grad_accum_steps == 1
 
 
 def test_unknown_key_names_full_path_and_closest_key() -> None:
@@ -88,39 +88,36 @@ def test_grad_accumulation_follows_global_batch() -> None:
             "training": {"local_batch_size": 2, "global_batch_size": 8},
         }
     )
-    assert cfg.grad_accum_steps == 2
-    assert cfg.global_batch_size == 8
+    assert (cfg.layout.grad_accum_steps, cfg.layout.global_batch_size) == (2, 8)
 
 
 # The four extension-merge cases.
 def test_extension_keeps_its_own_default_when_unset() -> None:
     cfg = build_job_config({}, EXT)
-    assert cfg.parallelism.expert_parallel_degree == 2  # not 0, not missing
+    assert cfg.parallelism.router_degree == 2  # not 0, not missing
     assert cfg.parallelism.router_kind == "greedy"
 
 
 def test_extension_value_from_params_wins() -> None:
-    cfg = build_job_config({"parallelism": {"expert_parallel_degree": 4}}, EXT)
-    assert cfg.parallelism.expert_parallel_degree == 4
+    cfg = build_job_config({"parallelism": {"router_degree": 4}}, EXT)
+    assert cfg.parallelism.router_degree == 4
 
 
 def test_base_fields_keep_their_defaults_under_extension() -> None:
-    cfg = build_job_config({"parallelism": {"expert_parallel_degree": 4}}, EXT)
+    cfg = build_job_config({"parallelism": {"router_degree": 4}}, EXT)
     assert cfg.parallelism.data_parallel_shard_degree == -1
     assert cfg.parallelism.data_parallel_replicate_degree == 1
     assert cfg.training.steps == JobConfig().training.steps
 
 
 def test_unknown_keys_still_rejected_under_extension() -> None:
-    with pytest.raises(
-        ConfigError, match=r"parallelism\.expert_parallel_degre.*expert_parallel_degree"
-    ):
-        build_job_config({"parallelism": {"expert_parallel_degre": 4}}, EXT)
+    with pytest.raises(ConfigError, match=r"parallelism\.router_degre.*router_degree"):
+        build_job_config({"parallelism": {"router_degre": 4}}, EXT)
 
 
 def test_extension_field_is_type_checked() -> None:
-    with pytest.raises(ConfigError, match=r"parallelism\.expert_parallel_degree"):
-        build_job_config({"parallelism": {"expert_parallel_degree": "two"}}, EXT)
+    with pytest.raises(ConfigError, match=r"parallelism\.router_degree"):
+        build_job_config({"parallelism": {"router_degree": "two"}}, EXT)
 
 
 def test_extension_may_not_redefine_or_target_unknown_sections() -> None:
@@ -130,12 +127,12 @@ def test_extension_may_not_redefine_or_target_unknown_sections() -> None:
     with pytest.raises(ValueError, match="redefines"):
         merge_extensions({"parallelism": Clash})
     with pytest.raises(ValueError, match="unknown section"):
-        merge_extensions({"nonsense": ExpertParallelExt})
+        merge_extensions({"nonsense": RouterExt})
 
 
 def test_without_extension_the_extension_key_is_unknown() -> None:
-    with pytest.raises(ConfigError, match="expert_parallel_degree"):
-        build_job_config({"parallelism": {"expert_parallel_degree": 2}})
+    with pytest.raises(ConfigError, match="router_degree"):
+        build_job_config({"parallelism": {"router_degree": 2}})
 
 
 # File + command line.
@@ -212,7 +209,7 @@ def test_dump_round_trips_through_the_loader(tmp_path: Path) -> None:
         {
             "training": {"steps": 5},
             "lr_scheduler": {"warmup_steps": 2},
-            "parallelism": {"expert_parallel_degree": 1},
+            "parallelism": {"router_degree": 1},
         },
         EXT,
     )

@@ -24,7 +24,7 @@ def _loader(
     tokens: np.ndarray, rank: int = 0, degree: int = 1, seed: int = 0, batch: int = 4
 ) -> TokenLoader:
     return TokenLoader(
-        tokens, seq_len=SEQ, local_batch_size=batch, dp_rank=rank, dp_degree=degree, seed=seed
+        tokens, seq_len=SEQ, local_batch_size=batch, data_rank=rank, data_ranks=degree, seed=seed
     )
 
 
@@ -103,7 +103,9 @@ def test_state_from_another_rank_restores_this_rank() -> None:
 
 def test_layout_mismatch_on_resume_is_refused() -> None:
     state = _loader(_stream()).state_dict()
-    other = TokenLoader(_stream(), seq_len=16, local_batch_size=4, dp_rank=0, dp_degree=1, seed=0)
+    other = TokenLoader(
+        _stream(), seq_len=16, local_batch_size=4, data_rank=0, data_ranks=1, seed=0
+    )
     with pytest.raises(ValueError, match="seq_len=8 but this loader has 16"):
         other.load_state_dict(state)
 
@@ -114,8 +116,8 @@ def test_too_small_split_says_how_many_tokens_are_needed() -> None:
             np.arange(60, dtype=np.uint32),
             seq_len=SEQ,
             local_batch_size=4,
-            dp_rank=0,
-            dp_degree=2,
+            data_rank=0,
+            data_ranks=2,
             seed=0,
             name="validation",
         )
@@ -129,8 +131,8 @@ def test_exactly_enough_tokens_for_one_batch() -> None:
         np.arange(65, dtype=np.uint32),
         seq_len=SEQ,
         local_batch_size=4,
-        dp_rank=1,
-        dp_degree=2,
+        data_rank=1,
+        data_ranks=2,
         seed=0,
     )
     assert loader.batches_per_epoch == 1

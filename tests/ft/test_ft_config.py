@@ -79,9 +79,13 @@ def test_groups_multiply_the_global_batch_like_hsdp_replicas() -> None:
         launch={"nproc_per_node": 6},
         training={"local_batch_size": 2, "global_batch_size": 24},
     )
-    assert (ft.dp_degree, ft.grad_accum_steps) == (hsdp.dp_degree, hsdp.grad_accum_steps) == (6, 2)
+    ft_layout, hsdp_layout = ft.layout, hsdp.layout
+    assert (ft_layout.data_ranks, ft_layout.grad_accum_steps) == (6, 2)
+    assert (hsdp_layout.data_ranks, hsdp_layout.grad_accum_steps) == (6, 2)
+    # One group's data-parallel ranks: 2 per replica group, 6 in the HSDP group.
+    assert (ft_layout.dp_degree, hsdp_layout.dp_degree) == (2, 6)
     off = _config(fault_tolerance={"enable": False, "replica_groups": 3})
-    assert off.dp_degree == 1  # the section is ignored while disabled
+    assert off.layout.data_ranks == 1  # the section is ignored while disabled
 
 
 def test_groups_read_disjoint_shares_of_the_global_order() -> None:

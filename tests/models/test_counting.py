@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -26,10 +25,6 @@ BLOCK = ATTENTION + 3 * DIM * FFN + 2 * DIM  # + SwiGLU + two norms
 TOTAL = 2 * VOCAB * DIM + LAYERS * BLOCK + DIM
 
 
-class ExpertParallelExtension(BaseModel):
-    expert_parallel_degree: int = 1
-
-
 def job(**sections: dict[str, Any]) -> Any:
     sections.setdefault("training", {})
     sections["training"] = {
@@ -38,7 +33,7 @@ def job(**sections: dict[str, Any]) -> Any:
         "device": "cpu",
         **sections["training"],
     }
-    return build_job_config(sections, [{"parallelism": ExpertParallelExtension}], source="test")
+    return build_job_config(sections, source="test")
 
 
 @pytest.fixture(scope="module")

@@ -54,7 +54,7 @@ def _tokens(batch: int, seq: int, vocab: int, seed: int = 0) -> torch.Tensor:
 
 def test_spec_builds_a_model_following_the_contract() -> None:
     assert set(SPEC.flavors) == {"debugmodel", "v2-lite", "v2"}
-    assert SPEC.extensions["parallelism"]().expert_parallel_degree == 1
+    assert SPEC.expert_parallel
     torch.manual_seed(0)
     model = SPEC.build_model(TINY)
     assert isinstance(model.layers, nn.ModuleDict)
@@ -144,7 +144,7 @@ def test_expert_parallel_degree_is_checked_against_experts_and_world() -> None:
         ConfigError, match=r"parallelism\.expert_parallel_degree=3.*n_routed_experts=8"
     ):
         resolve(3, 6)
-    with pytest.raises(ConfigError, match=r"parallelism\.expert_parallel_degree=4.*world size 2"):
+    with pytest.raises(ConfigError, match=r"expert_parallel_degree=4 must divide.*shard degree 2"):
         resolve(4, 2)
 
 

@@ -130,8 +130,8 @@ def test_sample_becomes_packed_token_files(
             open_split(token_dir, "train"),
             seq_len=64,
             local_batch_size=2,
-            dp_rank=0,
-            dp_degree=1,
+            data_rank=0,
+            data_ranks=1,
             seed=0,
         )
     )

@@ -20,6 +20,8 @@ from titan_kedro.data.tokenizer import build_tokenizer
 from titan_kedro.models import get_train_spec
 from titan_kedro.models.generate import generate
 from titan_kedro.pipelines.evaluation import create_pipeline
+from titan_kedro.pipelines.evaluation.pipeline import load_final_model_node
+from titan_kedro.pipelines.job_params import JOB_PARAMS
 from titan_kedro.train import evaluate, validation
 from titan_kedro.train.trainer import build_model
 
@@ -37,6 +39,10 @@ TINY_LLAMA = {
 def tiny_model() -> torch.nn.Module:
     spec = get_train_spec("llama3")
     return build_model(spec, spec.resolve_args("debugmodel", TINY_LLAMA), 0, torch.device("cpu"))
+
+
+def test_the_checkpoint_loader_takes_every_job_config_section() -> None:
+    assert set(load_final_model_node().inputs) == {"training_summary", *JOB_PARAMS.values()}
 
 
 def test_greedy_matches_a_step_by_step_argmax(tiny_model: torch.nn.Module) -> None:
@@ -142,7 +148,7 @@ def test_evaluation_pipeline_on_a_checkpoint(tmp_path: Path) -> None:
                 {"validation": stream, "metadata": {"tokenizer": {"fingerprint": tok.fingerprint}}},
                 copy_mode="assign",
             ),
-            **{f"params:{k}": MemoryDataset(v) for k, v in params.items()},
+            **{ds: MemoryDataset(params.get(name, {})) for name, ds in JOB_PARAMS.items()},
             **{
                 name: MemoryDataset()
                 for name in ("evaluation_results", "evaluation_metrics", "generations")
@@ -157,7 +163,7 @@ def test_evaluation_pipeline_on_a_checkpoint(tmp_path: Path) -> None:
     # The loss is the trained weights' loss (seed 99), not a fresh model's (seed 3).
     from titan_kedro.data.loader import TokenLoader
 
-    loader = TokenLoader(stream, seq_len=32, local_batch_size=2, dp_rank=0, dp_degree=1, seed=3)
+    loader = TokenLoader(stream, seq_len=32, local_batch_size=2, data_rank=0, data_ranks=1, seed=3)
     expected, _ = validation.mean_loss(trained, iter(loader), spec.build_loss_fn(None), n_batches=2)
     assert results["eval_loss"] == pytest.approx(expected, rel=1e-5)
     assert results["eval_perplexity"] == pytest.approx(math.exp(expected), rel=1e-5)

@@ -81,7 +81,10 @@ def test_the_plan_and_the_trainer_call_the_same_step(
     build_plan(resolve_job_config(_v3(0)))
     assert [who for who, _ in calls] == ["plan"]
     plan_step = calls[0][1]
-    assert plan_step.config.grad_accum_steps == 1 and plan_step.reads.scalar(torch.ones(())) == 0
+    assert (
+        plan_step.config.layout.grad_accum_steps == 1
+        and plan_step.reads.scalar(torch.ones(())) == 0
+    )
 
     raw = tiny_job(tmp_path, write_token_dir(tmp_path / "tokens"), checkpoint={"enable": False})
     trainer = Trainer(resolve_job_config(raw, source="test"))

@@ -233,8 +233,8 @@ def validation_loader(token_dir: Path, *, seq_len: int, local_batch_size: int, s
         open_split(token_dir, "validation"),
         seq_len=seq_len,
         local_batch_size=local_batch_size,
-        dp_rank=0,
-        dp_degree=1,
+        data_rank=0,
+        data_ranks=1,
         seed=seed,
     )
 

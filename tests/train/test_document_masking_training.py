@@ -65,8 +65,8 @@ def test_first_step_loss_is_the_document_masked_loss(tmp_path: Path) -> None:
         open_split(token_dir, "train"),
         seq_len=cfg.training.seq_len,
         local_batch_size=cfg.training.local_batch_size,
-        dp_rank=0,
-        dp_degree=1,
+        data_rank=0,
+        data_ranks=1,
         seed=cfg.job.seed,
     )
     inputs, labels = next(iter(loader))

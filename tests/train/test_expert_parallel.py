@@ -77,6 +77,7 @@ def _check_dispatch_and_combine(rank: int) -> None:
 
 def _check_training_step(rank: int, world: int, ep: int, replicate: int = 1) -> None:
     """One EP (or plain FSDP) step on this rank's batch against the 2-batch reference."""
+    from titan_kedro.config.layout import Layout
     from titan_kedro.models.registry import get_train_spec
     from titan_kedro.train.grad_clip import clip_grad_norm_
     from titan_kedro.train.parallel_dims import ParallelDims
@@ -84,7 +85,7 @@ def _check_training_step(rank: int, world: int, ep: int, replicate: int = 1) -> 
     spec = get_train_spec("deepseek_v2")
     args = spec.resolve_args("debugmodel", TINY_DEEPSEEK)
     reference = _build(spec, args, seed=3)
-    dims = ParallelDims(dp_replicate=replicate, dp_shard=-1, ep=ep, world_size=world)
+    dims = ParallelDims(Layout.build(world_size=world, dp_replicate=replicate, ep=ep))
     dims.build_mesh()
     config = make_config(training={"activation_checkpoint": "full"})
     model = spec.parallelize_fn(copy.deepcopy(reference), dims, config)

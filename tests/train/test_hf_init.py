@@ -77,7 +77,9 @@ def test_ep2_run_starts_from_exported_folder_with_its_loss(tmp_path: Path) -> No
     batches = [
         next(
             iter(
-                TokenLoader(tokens, seq_len=32, local_batch_size=2, dp_rank=r, dp_degree=2, seed=7)
+                TokenLoader(
+                    tokens, seq_len=32, local_batch_size=2, data_rank=r, data_ranks=2, seed=7
+                )
             )
         )
         for r in range(2)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from titan_kedro.config.layout import Layout
 from titan_kedro.models.parallel import apply_ac, apply_fsdp, parallelize_dense
 from titan_kedro.train.grad_clip import clip_grad_norm_
 from titan_kedro.train.parallel_dims import ParallelDims
@@ -22,22 +23,21 @@ def _tiny(spec: Any, seed: int = 0) -> torch.nn.Module:
     return spec.build_model(spec.flavors["debugmodel"])
 
 
-def test_degrees_are_validated() -> None:
-    dims = ParallelDims(dp_replicate=2, dp_shard=-1, ep=2, world_size=8)
-    assert (dims.dp_shard, dims.dp_degree, dims.dp_shard_mod_ep) == (4, 8, 2)
-    with pytest.raises(ValueError, match="must divide the FSDP shard"):
-        ParallelDims(dp_replicate=1, dp_shard=-1, ep=3, world_size=4)
-    with pytest.raises(ValueError, match="!= world size"):
-        ParallelDims(dp_replicate=2, dp_shard=3, ep=1, world_size=4)
+def _dims(replicate: int, ep: int, world: int) -> ParallelDims:
+    return ParallelDims(Layout.build(world_size=world, dp_replicate=replicate, ep=ep))
+
+
+def test_dims_read_the_config_layout_and_refuse_another_world() -> None:
+    cfg = make_config(
+        launch={"nproc_per_node": 4},
+        parallelism={"data_parallel_replicate_degree": 2, "expert_parallel_degree": 2},
+    )
+    dims = ParallelDims.from_config(cfg, 4, torch.device("cpu"))
+    assert (dims.dp_replicate, dims.dp_shard, dims.ep, dims.dp_shard_mod_ep) == (2, 2, 2, 1)
+    with pytest.raises(ValueError, match=r"2 ranks were started.*world size is 4"):
+        ParallelDims.from_config(cfg, 2, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="build_mesh"):
         _ = dims.dp_mesh
-
-
-def test_ep_degree_comes_from_the_extension_field() -> None:
-    cfg = make_config(launch={"nproc_per_node": 4})
-    assert ParallelDims.from_config(cfg, 4, torch.device("cpu")).ep == 1
-    object.__setattr__(cfg.parallelism, "expert_parallel_degree", 2)
-    assert ParallelDims.from_config(cfg, 4, torch.device("cpu")).ep == 2
 
 
 @pytest.mark.parametrize("mode", ["selective", "full"])
@@ -70,11 +70,11 @@ def _checks(rank: int, world: int, spec_path: str) -> None:
     import_custom_model(path=spec_path)
     spec = get_train_spec("tiny_dense")
 
-    with_ep = ParallelDims(1, -1, 2, world)
+    with_ep = _dims(1, 2, world)
     with_ep.build_mesh()
     assert with_ep.ep_mesh.size() == 2 and with_ep.expert_fsdp_mesh.size() == 1
     assert dist.get_world_size(with_ep.ep_group) == 2 and with_ep.ep_rank == rank
-    dims = ParallelDims(1, -1, 1, world)
+    dims = _dims(1, 1, world)
     dims.build_mesh()
     assert dims.fsdp_mesh.size() == 2 and dims.ep_mesh.size() == 1
     assert dims.dp_rank == rank and dims.dp_degree == 2
@@ -97,7 +97,7 @@ def _checks(rank: int, world: int, spec_path: str) -> None:
     for (name, a), b in zip(reference.named_parameters(), model.parameters()):
         torch.testing.assert_close(b.grad.full_tensor(), a.grad, msg=name, rtol=1e-5, atol=1e-7)
     # HSDP: two replicas of one shard each give the same gradients as one process.
-    hsdp_dims = ParallelDims(2, -1, 1, world)
+    hsdp_dims = _dims(2, 1, world)
     hsdp_dims.build_mesh()
     assert hsdp_dims.fsdp_mesh.ndim == 2
     hsdp = parallelize_dense(copy.deepcopy(_tiny(spec)), hsdp_dims, make_config())

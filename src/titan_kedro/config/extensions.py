@@ -1,7 +1,7 @@
 """Merge train-spec extensions into the job config.
 
-A train spec may add fields to a section, e.g. DeepSeek-V2 adds
-``parallelism.expert_parallel_degree``. Each extension is a pydantic model whose fields
+A train spec may add fields to a section, e.g. DeepSeek-V3 adds
+``training.mtp_loss_weight``. Each extension is a pydantic model whose fields
 carry their own defaults. We build a new section class that inherits from both the base
 section and the extension, so pydantic keeps every field's declared default (an
 extension field ``int = 2`` stays 2 when unset — torchtitan's dataclass merge once

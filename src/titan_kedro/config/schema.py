@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from titan_kedro.config.layout import Layout
 from titan_kedro.config.sections.base import Section, SectionT, section_from_params
 from titan_kedro.config.sections.inputs import (
     DataSection,
@@ -55,6 +56,7 @@ __all__ = [
     "LRSchedulerSection",
     "LaunchResources",
     "LaunchSection",
+    "Layout",
     "MetricsSection",
     "ModelSection",
     "OptimizerSection",
@@ -94,31 +96,9 @@ class JobConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_layout(self) -> JobConfig:
-        world = self.launch.world_size
-        rep = self.parallelism.data_parallel_replicate_degree
-        shard = self.parallelism.data_parallel_shard_degree
-        if shard == -1:
-            if world % rep:
-                raise ValueError(
-                    f"parallelism.data_parallel_replicate_degree={rep} does not divide the world "
-                    f"size {world} (launch.nproc_per_node × launch.nnodes); pick a divisor of {world}"
-                )
-        elif rep * shard != world:
-            raise ValueError(
-                f"parallelism: replicate {rep} × shard {shard} = {rep * shard}, but the world size "
-                f"is {world} (launch.nproc_per_node={self.launch.nproc_per_node} × "
-                f"launch.nnodes={self.launch.nnodes}); set data_parallel_shard_degree: -1 "
-                "or make the product equal the world size"
-            )
+        self.layout  # noqa: B018  (derives and validates the degrees and the batch split)
         self._check_fault_tolerance()
         self._check_schedule()
-        dp = self.dp_degree
-        gbs = self.training.global_batch_size
-        if gbs is not None and gbs % (self.training.local_batch_size * dp):
-            raise ValueError(
-                f"training.global_batch_size={gbs} must be a multiple of training.local_batch_size="
-                f"{self.training.local_batch_size} × data-parallel degree {dp}"
-            )
         if self.model.custom_model_path and self.model.custom_import:
             raise ValueError("set only one of model.custom_model_path and model.custom_import")
         return self
@@ -173,24 +153,11 @@ class JobConfig(BaseModel):
             )
 
     @property
+    def layout(self) -> Layout:
+        """The degrees, the batch split and the accumulation steps (``config/layout.py``)."""
+        return Layout.from_config(self)
+
+    @property
     def replica_groups(self) -> int:
         """Fault-tolerant replica groups (1 without ``fault_tolerance.enable``)."""
-        ft = self.fault_tolerance
-        return ft.replica_groups if ft.enable else 1
-
-    @property
-    def dp_degree(self) -> int:
-        """Data-parallel degree: every rank of every replica group reads different data."""
-        return self.launch.world_size * self.replica_groups
-
-    @property
-    def grad_accum_steps(self) -> int:
-        """Micro-batches per optimizer step on each rank."""
-        gbs = self.training.global_batch_size
-        if gbs is None:
-            return 1
-        return gbs // (self.training.local_batch_size * self.dp_degree)
-
-    @property
-    def global_batch_size(self) -> int:
-        return self.training.local_batch_size * self.dp_degree * self.grad_accum_steps
+        return self.layout.replica_groups

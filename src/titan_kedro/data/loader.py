@@ -78,7 +78,7 @@ class TokenLoader:
     starts at ``i * seq_len``); labels are inputs shifted by one. Each epoch orders the
     windows by a ``WindowPermutation`` keyed by ``(seed, epoch)``; that global order does
     not depend on the number of ranks. Batch ``b`` of the epoch is global positions
-    ``[b·G, (b+1)·G)`` with ``G = dp_degree × local_batch_size``, and rank ``r`` takes
+    ``[b·G, (b+1)·G)`` with ``G = data_ranks × local_batch_size``, and rank ``r`` takes
     positions ``b·G + r·local_batch_size …`` of it, so within an epoch no two ranks see
     the same window. The ``num_windows mod G`` windows that do not fill a last batch are
     left out of that epoch (a different few next epoch). When the epoch ends the loader
@@ -92,8 +92,9 @@ class TokenLoader:
         tokens: The packed split (``open_split(token_dir, split)``), any 1-D integer array.
         seq_len: Tokens per sample.
         local_batch_size: Samples per batch on this rank.
-        dp_rank: This rank's index among the data-parallel ranks.
-        dp_degree: Number of data-parallel ranks (every rank of the world here).
+        data_rank: This rank's index among the ranks that read different data.
+        data_ranks: Ranks that read different data (``Layout.data_ranks``: every
+            data-parallel rank of every replica group).
         seed: Shuffling seed; the same seed gives the same batches.
         name: Used in log lines and errors (e.g. ``"train"``).
 
@@ -107,8 +108,8 @@ class TokenLoader:
         *,
         seq_len: int,
         local_batch_size: int,
-        dp_rank: int,
-        dp_degree: int,
+        data_rank: int,
+        data_ranks: int,
         seed: int,
         name: str = "tokens",
     ) -> None:
@@ -116,24 +117,24 @@ class TokenLoader:
             raise ValueError(
                 f"seq_len ({seq_len}) and local_batch_size ({local_batch_size}) must be ≥ 1"
             )
-        if not 0 <= dp_rank < dp_degree:
-            raise ValueError(f"dp_rank must be in [0, dp_degree={dp_degree}), got {dp_rank}")
+        if not 0 <= data_rank < data_ranks:
+            raise ValueError(f"data_rank must be in [0, data_ranks={data_ranks}), got {data_rank}")
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
         self.tokens = tokens
         self.seq_len = seq_len
         self.local_batch_size = local_batch_size
-        self.dp_rank = dp_rank
-        self.dp_degree = dp_degree
+        self.data_rank = data_rank
+        self.data_ranks = data_ranks
         self.seed = seed
         self.name = name
         self.num_windows = max(0, (len(tokens) - 1) // seq_len)
-        self.global_batch_windows = dp_degree * local_batch_size
+        self.global_batch_windows = data_ranks * local_batch_size
         self.batches_per_epoch = self.num_windows // self.global_batch_windows
         if self.batches_per_epoch == 0:
-            needed = dp_degree * local_batch_size * seq_len + 1
+            needed = data_ranks * local_batch_size * seq_len + 1
             raise ValueError(
-                f"{name}: {len(tokens)} tokens are too few for one batch — {dp_degree} rank(s) × "
+                f"{name}: {len(tokens)} tokens are too few for one batch — {data_ranks} rank(s) × "
                 f"{local_batch_size} samples × {seq_len} tokens + 1 = {needed} tokens needed. Add "
                 "data (more C4 shards, or a larger data.validation_fraction for validation) or "
                 "lower training.seq_len / training.local_batch_size"
@@ -146,7 +147,7 @@ class TokenLoader:
         self._cache_first = -1
         self._cache = np.empty((0, local_batch_size), dtype=np.int64)
         self._offsets = np.arange(seq_len + 1, dtype=np.int64)
-        self._mine = dp_rank * local_batch_size + np.arange(local_batch_size, dtype=np.int64)
+        self._mine = data_rank * local_batch_size + np.arange(local_batch_size, dtype=np.int64)
 
     def __iter__(self) -> TokenLoader:
         return self
@@ -158,7 +159,7 @@ class TokenLoader:
             logger.info(
                 "%s loader (rank %d): starting epoch %d after %d batches",
                 self.name,
-                self.dp_rank,
+                self.data_rank,
                 self.epoch,
                 self.batches_per_epoch,
             )
@@ -189,7 +190,7 @@ class TokenLoader:
         """The global position and the layout, as plain ints (fits in a DCP checkpoint).
 
         ``windows`` (windows of the global order consumed in this epoch) and ``epoch``
-        are the position; ``local_batch_size`` and ``dp_degree`` are recorded for
+        are the position; ``local_batch_size`` and ``data_ranks`` are recorded for
         information only.
         """
         return {
@@ -197,7 +198,7 @@ class TokenLoader:
             "windows": self._batch * self.global_batch_windows,
             "seq_len": self.seq_len,
             "local_batch_size": self.local_batch_size,
-            "dp_degree": self.dp_degree,
+            "data_ranks": self.data_ranks,
             "seed": self.seed,
             "num_tokens": len(self.tokens),
         }
@@ -226,7 +227,7 @@ class TokenLoader:
         if windows % self.global_batch_windows:
             raise ValueError(
                 f"{self.name} loader state is {windows} windows into epoch {int(state['epoch'])}, "
-                f"not a whole number of batches of {self.dp_degree} rank(s) × "
+                f"not a whole number of batches of {self.data_ranks} rank(s) × "
                 f"{self.local_batch_size} samples = {self.global_batch_windows}; resume with a "
                 "data-parallel degree × training.local_batch_size that divides it (keep "
                 "training.global_batch_size)"

@@ -72,7 +72,7 @@ class ReplicaIdentity:
 def replica_data_shard(
     replica_id: int, replica_groups: int, dp_rank: int, dp_degree: int
 ) -> tuple[int, int]:
-    """This rank's place in the global data order: ``(replica_id × dp_degree + dp_rank, G × dp_degree)``.
+    """This rank's ``(data_rank, data_ranks)``: ``(replica_id × dp_degree + dp_rank, G × dp_degree)``.
 
     Two groups never read the same window in one step, and G groups of ``dp_degree`` ranks
     read exactly what one group of ``G × dp_degree`` ranks would.
@@ -81,7 +81,10 @@ def replica_data_shard(
 
 
 def data_shard(cfg: Any, dp_rank: int, dp_degree: int) -> tuple[int, int]:
-    """:func:`replica_data_shard` of this worker's group, or ``(dp_rank, dp_degree)`` without FT."""
+    """``(data_rank, data_ranks)`` of a rank that is ``dp_rank`` of its group's ``dp_degree``.
+
+    :func:`replica_data_shard` of this worker's group, or ``(dp_rank, dp_degree)`` without FT.
+    """
     if not cfg.fault_tolerance.enable:
         return dp_rank, dp_degree
     identity = ReplicaIdentity.from_env(cfg.replica_groups)

@@ -136,9 +136,7 @@ class ReplicaGroupFT:
         ft = cfg.fault_tolerance
         self.groups = ft.replica_groups
         self.identity = identity or ReplicaIdentity.from_env(self.groups)
-        self.samples_per_group_step = (
-            cfg.launch.world_size * cfg.training.local_batch_size * cfg.grad_accum_steps
-        )
+        self.samples_per_group_step = cfg.layout.group_batch_size
         self.device = device
         """Where every tensor of a cross-group collective lives (NCCL refuses CPU tensors)."""
         self._user_state = state_dict

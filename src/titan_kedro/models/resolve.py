@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -25,32 +27,55 @@ class ResolvedJob(NamedTuple):
     """The flavor's args with ``model.overrides`` applied."""
 
 
-def _drop_other_specs_extensions(raw: Mapping[str, Any], spec: TrainSpec) -> dict[str, Any]:
-    """Drop keys that only another registered spec's extension declares, with a warning.
+def _refuse_other_specs_keys(raw: Mapping[str, Any], spec: TrainSpec, source: str) -> None:
+    """Refuse keys that only another registered spec's extension declares.
 
-    An environment written for DeepSeek (``parallelism.expert_parallel_degree``) stays
-    usable with ``--params model.name=llama3``; keys no spec knows are still rejected.
+    Such a key would do nothing for ``spec``; dropping it silently hid mistakes. Keys no
+    spec knows are left to the validation, which names them with a did-you-mean.
+
+    Raises:
+        ConfigError: Naming each key, the spec(s) that add it and the two ways out.
     """
     own = {(sec, name) for sec, ext in spec.extensions.items() for name in ext.model_fields}
-    others: dict[tuple[str, str], list[str]] = {}
+    adders: dict[tuple[str, str], list[str]] = {}
     for other in list_train_specs():
         if other != spec.name:
             for sec, ext in get_train_spec(other).extensions.items():
                 for name in ext.model_fields:
-                    others.setdefault((sec, name), []).append(f"'{other}'")
-    cleaned = dict(raw)
-    for (sec, name), adders in others.items():
-        section = cleaned.get(sec)
-        if (sec, name) in own or not isinstance(section, Mapping) or name not in section:
-            continue
-        if name in JobConfig.model_fields[sec].annotation.model_fields:
-            continue
-        cleaned[sec] = {k: v for k, v in section.items() if k != name}
-        logger.warning(
-            "ignoring %s.%s: it is added by model %s, and model '%s' does not use it",
-            sec, name, " / ".join(adders), spec.name,
-        )  # fmt: skip
-    return cleaned
+                    adders.setdefault((sec, name), []).append(f"'{other}'")
+    found = [
+        f"{sec}.{name} is added by model {' / '.join(by)}"
+        for (sec, name), by in sorted(adders.items())
+        if (sec, name) not in own
+        and isinstance(raw.get(sec), Mapping)
+        and name in raw[sec]
+        and name not in JobConfig.model_fields[sec].annotation.model_fields
+    ]
+    if found:
+        raise ConfigError(
+            f"invalid job config ({source}): {'; '.join(found)}, and model '{spec.name}' does not use "
+            "it: remove the key, or set model.name to the model that adds it"
+        )
+
+
+def _without_expert_parallel(raw: Mapping[str, Any], spec: TrainSpec) -> Mapping[str, Any]:
+    """``raw`` with ``parallelism.expert_parallel_degree`` 1 when ``spec`` has no experts.
+
+    An environment written for DeepSeek (``conf/base`` sets 2) stays usable with
+    ``--params model.name=llama3``: the degree is reset, with a warning naming it.
+    """
+    section = raw.get("parallelism")
+    if spec.expert_parallel or not isinstance(section, Mapping):
+        return raw
+    ep = section.get("expert_parallel_degree", 1)
+    if ep == 1:
+        return raw
+    logger.warning(
+        "parallelism.expert_parallel_degree=%s is ignored: model '%s' has no expert "
+        "parallelism (its TrainSpec's expert_parallel is False); training with 1",
+        ep, spec.name,
+    )  # fmt: skip
+    return {**raw, "parallelism": {**section, "expert_parallel_degree": 1}}
 
 
 def _copy_model_fields_into_overrides(cfg: JobConfig, spec: TrainSpec) -> None:
@@ -86,9 +111,48 @@ def resolve_job_config(raw: Mapping[str, Any], *, source: str = "parameters") ->
     the model's limit, expert-parallel degree dividing the experts, …) run here too, so
     every mistake surfaces before any worker starts.
 
+    One process resolves each parameter set once: the hooks and nodes of a ``kedro run``
+    share a resolution through a small cache keyed by the canonical JSON of ``raw`` (and
+    the spec it names). Each call returns its own copy of the config, so a caller that
+    changes it (the training node applies the plan's choices) changes no one else's.
+
     Raises:
         ConfigError: With the key path, the value and how to fix it; also for a spec without
-            ``flops_per_token`` (every train spec must count its FLOPs).
+            ``flops_per_token`` (every train spec must count its FLOPs), or a key that only
+            another spec declares.
+    """
+    spec = _spec_of(raw, source)
+    key = _cache_key(raw)
+    hit = _CACHE.get(key) if key is not None else None
+    if hit is None or hit.spec is not spec:
+        hit = _resolve(raw, spec, source)
+        if key is not None:
+            _CACHE[key] = hit
+            while len(_CACHE) > _CACHE_SIZE:
+                _CACHE.popitem(last=False)
+    elif key is not None:
+        _CACHE.move_to_end(key)
+    return ResolvedJob(hit.config.model_copy(deep=True), hit.spec, hit.model_args)
+
+
+_CACHE_SIZE = 8
+_CACHE: OrderedDict[str, ResolvedJob] = OrderedDict()
+"""Canonical JSON of the raw parameters → their resolution (most recent last)."""
+
+
+def _cache_key(raw: Mapping[str, Any]) -> str | None:
+    """The canonical JSON of ``raw``; None when a value has no JSON form (no caching)."""
+    try:
+        return json.dumps(raw, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError):
+        return None
+
+
+def _spec_of(raw: Mapping[str, Any], source: str) -> TrainSpec:
+    """The train spec ``raw`` names, after importing a custom model module if configured.
+
+    Raises:
+        ConfigError: A bad ``model`` section, an unknown spec, or a spec without FLOPs.
     """
     # Only the keys that pick the spec: the spec's own model fields are checked with the rest.
     model_raw = dict(raw).get("model") or {}
@@ -107,8 +171,13 @@ def resolve_job_config(raw: Mapping[str, Any], *, source: str = "parameters") ->
             raise ValueError(missing_flops_message(spec.name))
     except (ValueError, ImportError, FileNotFoundError) as err:
         raise ConfigError(f"invalid job config ({source}): {err}") from err
+    return spec
 
-    raw = _drop_other_specs_extensions(raw, spec)
+
+def _resolve(raw: Mapping[str, Any], spec: TrainSpec, source: str) -> ResolvedJob:
+    """The uncached resolution of ``raw`` for ``spec`` (see :func:`resolve_job_config`)."""
+    _refuse_other_specs_keys(raw, spec, source)
+    raw = _without_expert_parallel(raw, spec)
     cfg = build_job_config(raw, [spec.extensions], source=source)
     try:
         _copy_model_fields_into_overrides(cfg, spec)

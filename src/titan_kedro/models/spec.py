@@ -64,6 +64,9 @@ class TrainSpec:
     one count the trainer's TFLOP/s and MFU, the plan's cost and the model card read
     (through ``training_flops_per_token``). Required: ``resolve_job_config`` refuses a spec
     without it (``missing_flops_message``); None only lets a spec be built and registered."""
+    expert_parallel: bool = False
+    """Whether ``parallelize_fn`` shards routed experts over the mesh's ``ep`` dimension;
+    without it ``parallelism.expert_parallel_degree`` > 1 is reset to 1 with a warning."""
     extensions: Mapping[str, type[BaseModel]] = field(default_factory=dict)
     """Job-config section → pydantic model of extra fields this family adds."""
     validate_config_fn: Callable[[Any, Any], None] | None = None

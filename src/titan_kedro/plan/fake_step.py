@@ -194,7 +194,7 @@ def measure_step(
         if checkpointed is None
         else with_checkpointed(resolved.config, checkpointed)
     )
-    micro_batches = min(cfg.grad_accum_steps, MEASURED_MICRO_BATCHES)
+    micro_batches = min(cfg.layout.grad_accum_steps, MEASURED_MICRO_BATCHES)
     cfg = with_micro_batches(cfg, micro_batches)
     if fake:
         with torch.device("meta"):
@@ -273,9 +273,10 @@ def measure_step(
 
 def with_micro_batches(job_config: Any, micro_batches: int) -> Any:
     """A copy of ``job_config`` whose step accumulates ``micro_batches`` micro-batches."""
-    if job_config.grad_accum_steps == micro_batches:
+    layout = job_config.layout
+    if layout.grad_accum_steps == micro_batches:
         return job_config
-    samples = job_config.training.local_batch_size * job_config.dp_degree * micro_batches
+    samples = layout.local_batch_size * layout.data_ranks * micro_batches
     training = job_config.training.model_copy(update={"global_batch_size": samples})
     return job_config.model_copy(update={"training": training})
 

@@ -125,7 +125,7 @@ def _measure(resolved: ResolvedJob) -> dict[str, Any]:
     headroom = device.memory_gib - reserved - per_rank["total"] / GIB
     plan: dict[str, Any] = {
         "world_size": cfg.launch.world_size,
-        "layout": _layout(m.dims, cfg.grad_accum_steps),
+        "layout": _layout(m.dims, cfg.layout.grad_accum_steps),
         "device": _device_entry(device),
         "compute_dtype": str(compute_dtype).removeprefix("torch."),
         "reduce_dtype": str(reduce_dtype).removeprefix("torch."),
@@ -254,7 +254,7 @@ def _cost(
     flops_per_token = resolved.spec.training_flops_per_token(
         resolved.model_args, cfg.training.seq_len
     )
-    tokens_per_step = cfg.global_batch_size * cfg.training.seq_len
+    tokens_per_step = cfg.layout.global_batch_size * cfg.training.seq_len
     flops_per_step = flops_per_token * tokens_per_step
     step_time = flops_per_step / (world * device.peak_tflops * 1e12 * cfg.plan.assumed_mfu)
     wall_h = step_time * cfg.training.steps / 3600
@@ -266,9 +266,9 @@ def _cost(
         "assumed_mfu": cfg.plan.assumed_mfu,
         "steps": cfg.training.steps,
         "step_time_s": step_time,
-        "roofline_step_time_s": measured.roofline.time_s * cfg.grad_accum_steps,
+        "roofline_step_time_s": measured.roofline.time_s * cfg.layout.grad_accum_steps,
         "roofline_method": method,
-        "measured_flops_per_rank_step": measured.roofline.flops * cfg.grad_accum_steps,
+        "measured_flops_per_rank_step": measured.roofline.flops * cfg.layout.grad_accum_steps,
         "wall_time_h": wall_h,
         "device_hours": wall_h * world,
     }

@@ -47,9 +47,7 @@ def suggestions(plan: dict[str, Any], resolved: ResolvedJob) -> list[str]:
             f"activations, loss) need {rest:.1f} GiB of the {budget:.1f} GiB available"
         )
     ep = plan["layout"]["ep"]
-    if plan["layout"]["dp_shard"] > ep and hasattr(
-        resolved.config.parallelism, "expert_parallel_degree"
-    ):
+    if plan["layout"]["dp_shard"] > ep and resolved.spec.expert_parallel:
         out.append(
             f"more expert parallelism (parallelism.expert_parallel_degree > {ep}, dividing "
             f"{plan['layout']['dp_shard']}): each rank then gathers only its own experts "

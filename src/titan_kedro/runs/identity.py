@@ -150,7 +150,7 @@ def math_settings(cfg: Any, token_metadata: Mapping[str, Any] | None) -> dict[st
         "model.flavor": cfg.model.flavor,
         "model.overrides": _json(cfg.model.overrides),
         "training.seq_len": cfg.training.seq_len,
-        "global_batch_size": cfg.global_batch_size,
+        "global_batch_size": cfg.layout.global_batch_size,
     }
     settings.update(token_fingerprints(token_metadata or {}))
     return settings

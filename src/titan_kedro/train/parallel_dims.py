@@ -1,4 +1,4 @@
-"""Parallel degrees and the device mesh built from them.
+"""The device meshes of a job's layout (the degrees: ``config/layout.Layout``).
 
 The world is laid out as a 3-D mesh ``(dp_replicate, dp_shard_mod_ep, ep)``; expert
 parallelism borrows its ranks from the FSDP shard dimension, as in torchtitan:
@@ -8,8 +8,9 @@ parallelism borrows its ranks from the FSDP shard dimension, as in torchtitan:
   tokens with all-to-all;
 - ``dp_shard_mod_ep`` (with ``dp_replicate`` for HSDP) is the FSDP mesh of expert
   parameters, which are already split ``ep`` ways;
-- ``dp`` (the whole world, 1-D) is data parallelism: every rank reads different data,
-  and losses / expert loads are reduced over it.
+- ``dp`` (the whole world of one replica group, 1-D, ``Layout.dp_degree`` ranks) is data
+  parallelism: every rank reads different data, and losses / expert loads are reduced
+  over it (across replica groups, ``ft/`` reduces again).
 
 Size-1 dimensions are kept, so the same names exist in every layout.
 """
@@ -22,67 +23,59 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from titan_kedro.config.layout import Layout
+
 MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "ep")
 
 
 @dataclass
 class ParallelDims:
-    """Degrees of each parallel dimension, validated against the world size."""
+    """The meshes of a validated :class:`~titan_kedro.config.layout.Layout` on this rank."""
 
-    dp_replicate: int
-    """HSDP replicas."""
-    dp_shard: int
-    """FSDP shard degree (``-1``: whatever the world leaves after replication)."""
-    ep: int
-    """Expert-parallel degree, taken out of ``dp_shard`` (1: no expert parallelism)."""
-    world_size: int
-    """Total number of ranks."""
+    layout: Layout
+    """The degrees (validated when the layout was built)."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     """This rank's device (``cpu`` or ``cuda:<local rank>``)."""
     _world_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _dense_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        if self.dp_replicate < 1 or self.ep < 1 or self.world_size < 1:
-            raise ValueError(
-                f"parallel degrees must be ≥ 1: replicate={self.dp_replicate}, ep={self.ep}, "
-                f"world={self.world_size}"
-            )
-        if self.dp_shard == -1:
-            if self.world_size % self.dp_replicate:
-                raise ValueError(
-                    f"parallelism.data_parallel_replicate_degree={self.dp_replicate} does not "
-                    f"divide the world size {self.world_size}"
-                )
-            self.dp_shard = self.world_size // self.dp_replicate
-        if self.dp_replicate * self.dp_shard != self.world_size:
-            raise ValueError(
-                f"replicate {self.dp_replicate} × shard {self.dp_shard} != world size "
-                f"{self.world_size}; set parallelism.data_parallel_shard_degree to -1"
-            )
-        if self.dp_shard % self.ep:
-            raise ValueError(
-                f"parallelism.expert_parallel_degree={self.ep} must divide the FSDP shard "
-                f"degree {self.dp_shard} (expert parallelism borrows ranks from it)"
-            )
-
     @classmethod
     def from_config(cls, cfg: Any, world_size: int, device: torch.device) -> ParallelDims:
-        """Degrees from ``cfg.parallelism`` (plus the ``expert_parallel_degree`` extension)."""
-        section = cfg.parallelism
-        return cls(
-            dp_replicate=section.data_parallel_replicate_degree,
-            dp_shard=section.data_parallel_shard_degree,
-            ep=int(getattr(section, "expert_parallel_degree", 1)),
-            world_size=world_size,
-            device=device,
-        )
+        """The meshes of ``cfg.layout``, checked against the ranks that were started.
+
+        Raises:
+            ValueError: ``world_size`` (the ranks torchrun started) is not the configured one.
+        """
+        layout = cfg.layout
+        if world_size != layout.world_size:
+            raise ValueError(
+                f"{world_size} ranks were started, but the config's world size is "
+                f"{layout.world_size} (launch.nproc_per_node × launch.nnodes); start the "
+                "workers through the training pipeline, or set launch.* to match"
+            )
+        return cls(layout, device)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.layout.dp_replicate
+
+    @property
+    def dp_shard(self) -> int:
+        return self.layout.dp_shard
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
 
     @property
     def dp_degree(self) -> int:
-        """Data-parallel degree: ranks that read different data."""
-        return self.dp_replicate * self.dp_shard
+        """Data-parallel ranks of this replica group (gradients are reduced over them)."""
+        return self.layout.dp_degree
 
     @property
     def ep_enabled(self) -> bool:
@@ -100,7 +93,7 @@ class ParallelDims:
     @property
     def dp_shard_mod_ep(self) -> int:
         """FSDP degree of expert parameters (the shard ranks left over by EP)."""
-        return self.dp_shard // self.ep
+        return self.layout.dp_shard_mod_ep
 
     def build_mesh(self) -> DeviceMesh:
         """Create the meshes (needs an initialised process group); returns the 3-D world mesh.
@@ -163,5 +156,6 @@ class ParallelDims:
 
     @property
     def dp_rank(self) -> int:
-        """This rank's index among the data-parallel ranks (selects its data)."""
+        """This rank's index among its group's data-parallel ranks (``ft/identity.data_shard``
+        places it among every group's)."""
         return self.dp_mesh.get_local_rank()

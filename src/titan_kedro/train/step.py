@@ -69,6 +69,7 @@ class TrainStep:
     """Where the step's accumulators live and the autocast device type."""
     dp_group: Any
     dp_degree: int
+    """Data-parallel ranks of this replica group (``Layout.dp_degree``): ``dp_group``'s size."""
     next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
     """Returns the next micro-batch ``(inputs, labels)`` on ``device``."""
     document_bos: int | None
@@ -112,7 +113,7 @@ class TrainStep:
             model.reset_expert_load()
         self.optimizers.zero_grad()
         sums, data_time = self._micro_batches()
-        accum = self.config.grad_accum_steps
+        accum = self.config.layout.grad_accum_steps
         params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
         if ft is not None:
             ft.average_gradients(params)
@@ -156,7 +157,7 @@ class TrainStep:
 
     def _micro_batches(self) -> tuple[dict[str, torch.Tensor], float]:
         """Forward and backward of every micro-batch; summed losses (``ce``, ``aux``, ``mtp``)."""
-        model, accum = self.model, self.config.grad_accum_steps
+        model, accum = self.model, self.config.layout.grad_accum_steps
         sums = {"ce": torch.zeros((), device=self.device)}
         if hasattr(model, "moe_aux_loss"):
             sums["aux"] = torch.zeros((), device=self.device)

@@ -171,15 +171,15 @@ class Trainer:
         cfg = self.cfg
         self._token_loader_cls = TokenLoader
         # With replica groups, each group reads its own share of the global order.
-        data_rank, data_degree = data_shard(
+        data_rank, data_ranks = data_shard(
             cfg, self.parallel_dims.dp_rank, self.parallel_dims.dp_degree
         )
         self.train_loader = TokenLoader(
             open_split(cfg.data.token_dir, "train"),
             seq_len=cfg.training.seq_len,
             local_batch_size=cfg.training.local_batch_size,
-            dp_rank=data_rank,
-            dp_degree=data_degree,
+            data_rank=data_rank,
+            data_ranks=data_ranks,
             seed=cfg.job.seed,
             name="train",
         )
@@ -224,10 +224,11 @@ class Trainer:
 
     def _build_throughput(self) -> None:
         """FLOPs per token and tokens per step, for the throughput metrics."""
-        cfg, seq_len = self.cfg, self.cfg.training.seq_len
+        seq_len = self.cfg.training.seq_len
         self.flops_per_token = self.spec.training_flops_per_token(self.model_args, seq_len)
-        self.tokens_per_step_local = cfg.training.local_batch_size * seq_len * cfg.grad_accum_steps
-        self.tokens_per_step_global = cfg.global_batch_size * seq_len
+        layout = self.parallel_dims.layout
+        self.tokens_per_step_local = layout.local_batch_size * seq_len * layout.grad_accum_steps
+        self.tokens_per_step_global = layout.global_batch_size * seq_len
 
     def _build_metrics(self) -> None:
         """Rank 0's metrics logger and the device's peak TFLOP/s (others log nothing)."""
@@ -276,8 +277,8 @@ class Trainer:
             self.val_tokens,
             seq_len=cfg.training.seq_len,
             local_batch_size=cfg.training.local_batch_size,
-            dp_rank=self.parallel_dims.dp_rank,
-            dp_degree=self.parallel_dims.dp_degree,
+            data_rank=self.parallel_dims.dp_rank,  # every group validates the same batches
+            data_ranks=self.parallel_dims.dp_degree,
             seed=cfg.job.seed,
             name="validation",
         )
@@ -322,8 +323,8 @@ class Trainer:
             self.metrics.echo(
                 f"training {self.spec.name}/{cfg.model.flavor}: {self.n_params / 1e6:.2f}M params, "
                 f"world {self.world_size} ({self.device.type}), global batch "
-                f"{cfg.global_batch_size} × {cfg.training.seq_len} tokens, "
-                f"{cfg.grad_accum_steps} micro-batch(es)/step, steps {self.state.step + 1}–"
+                f"{cfg.layout.global_batch_size} × {cfg.training.seq_len} tokens, "
+                f"{cfg.layout.grad_accum_steps} micro-batch(es)/step, steps {self.state.step + 1}–"
                 f"{cfg.training.steps}"
                 + (f", resumed from {self.resumed_from}" if self.resumed_from else "")
             )

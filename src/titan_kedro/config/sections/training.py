@@ -94,6 +94,11 @@ class ParallelismSection(Section):
     """HSDP replicas (pure data parallel, gradients all-reduced)."""
     data_parallel_shard_degree: StrictInt = Field(-1, ge=-1)
     """FSDP2 shard degree; -1 takes whatever the world size leaves."""
+    expert_parallel_degree: StrictInt = Field(1, ge=1)
+    """Routed experts are sharded over this many ranks and tokens are exchanged with
+    all-to-all; must divide the data-parallel shard degree and the model's routed experts
+    (1: every rank holds every expert). Only for specs with ``expert_parallel`` (DeepSeek);
+    a dense model trains with 1 and logs a warning."""
 
 
 class FaultToleranceSection(Section):

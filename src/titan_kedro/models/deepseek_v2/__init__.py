@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
-
 from titan_kedro.models.common import YarnRopeScaling
 from titan_kedro.models.deepseek_v2.args import DeepSeekV2ModelArgs
 from titan_kedro.models.deepseek_v2.flops import flops_per_token, param_counts
@@ -106,44 +104,19 @@ FLAVORS: dict[str, DeepSeekV2ModelArgs] = {
 }
 
 
-class DeepSeekParallelismExtension(BaseModel):
-    """Fields DeepSeek-V2 adds to the ``parallelism`` section."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    expert_parallel_degree: StrictInt = Field(1, ge=1)
-    """Routed experts are sharded over this many ranks and tokens are exchanged with
-    all-to-all; must divide the data-parallel shard degree and the number of routed
-    experts (1: every rank holds every expert)."""
-
-
 def validate_config(job_config: Any, args: DeepSeekV2ModelArgs) -> None:
-    """Reject expert-parallel layouts that cannot split the experts or the ranks.
+    """Reject an expert-parallel degree that cannot split the routed experts.
+
+    That it divides the ranks is the layout's check (``config/layout.Layout``).
 
     Raises:
         ValueError: Naming ``parallelism.expert_parallel_degree`` and what it must divide.
     """
-    ep = int(getattr(job_config.parallelism, "expert_parallel_degree", 1))
-    if ep == 1:
-        return
-    world = job_config.launch.world_size
+    ep = job_config.layout.ep
     if args.n_routed_experts % ep:
         raise ValueError(
             f"parallelism.expert_parallel_degree={ep} must divide the model's "
             f"n_routed_experts={args.n_routed_experts}; pick a divisor of it"
-        )
-    if world % ep:
-        raise ValueError(
-            f"parallelism.expert_parallel_degree={ep} must divide the world size {world} "
-            "(launch.nproc_per_node × launch.nnodes)"
-        )
-    shard = job_config.parallelism.data_parallel_shard_degree
-    if shard == -1:
-        shard = world // job_config.parallelism.data_parallel_replicate_degree
-    if shard % ep:
-        raise ValueError(
-            f"parallelism.expert_parallel_degree={ep} must divide the data-parallel shard "
-            f"degree {shard} (expert parallelism borrows its ranks from FSDP sharding)"
         )
 
 
@@ -154,7 +127,7 @@ DEEPSEEK_V2_SPEC = TrainSpec(
     parallelize_fn=parallelize_deepseek_v2,
     state_dict_adapter=DeepSeekV2StateDictAdapter(),
     flops_per_token=flops_per_token,
-    extensions={"parallelism": DeepSeekParallelismExtension},
+    expert_parallel=True,
     validate_config_fn=validate_config,
 )
 """Found by ``get_train_spec("deepseek_v2")`` through ``registry.BUILTIN_SPECS``."""
@@ -162,7 +135,6 @@ DEEPSEEK_V2_SPEC = TrainSpec(
 __all__ = [
     "DEEPSEEK_V2_SPEC",
     "FLAVORS",
-    "DeepSeekParallelismExtension",
     "DeepSeekV2Model",
     "DeepSeekV2ModelArgs",
     "DeepSeekV2StateDictAdapter",

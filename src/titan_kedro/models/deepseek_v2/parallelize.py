@@ -83,8 +83,8 @@ def parallelize_deepseek_v2(model: nn.Module, parallel_dims: Any, job_config: An
     Args:
         model: The model with identical, initialised parameters on every rank.
         parallel_dims: A built ``titan_kedro.train.parallel_dims.ParallelDims``.
-        job_config: The job config (``training`` section and ``parallelism``, including
-            ``expert_parallel_degree``).
+        job_config: The job config (its ``training`` section; the degrees come from
+            ``parallel_dims``).
 
     Returns:
         The parallelized model (parameter names unchanged; unwrapped on one rank, see

@@ -17,7 +17,6 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from titan_kedro.models.common import YarnRopeScaling
-from titan_kedro.models.deepseek_v2 import DeepSeekParallelismExtension
 from titan_kedro.models.deepseek_v2 import validate_config as validate_expert_parallel
 from titan_kedro.models.deepseek_v2.parallelize import parallelize_deepseek_v2
 from titan_kedro.models.deepseek_v3.args import DeepSeekV3ModelArgs
@@ -140,11 +139,11 @@ DEEPSEEK_V3_SPEC = TrainSpec(
     state_dict_adapter=DeepSeekV3StateDictAdapter(),
     flops_per_token=flops_per_token,
     extensions={
-        "parallelism": DeepSeekParallelismExtension,
         "model": DeepSeekV3ModelExtension,
         "training": DeepSeekV3TrainingExtension,
     },
     validate_config_fn=validate_expert_parallel,
+    expert_parallel=True,
 )
 
 __all__ = [

@@ -16,17 +16,16 @@ logger = logging.getLogger(__name__)
 
 
 def load_final_model(
-    training_summary: dict[str, Any],
-    model: dict[str, Any],
-    training: dict[str, Any],
-    job: dict[str, Any],
-    checkpoint: dict[str, Any],
+    training_summary: dict[str, Any], **sections: dict[str, Any]
 ) -> evaluate.LoadedCheckpoint:
-    """The checkpoint training finished with, loaded into a single-process model."""
-    resolved = resolve_job_config(
-        {"model": model, "training": training, "job": job, "checkpoint": checkpoint},
-        source="evaluation parameters",
-    )
+    """The checkpoint training finished with, loaded into a single-process model.
+
+    Args:
+        training_summary: The training node's summary (names the final checkpoint).
+        **sections: Every job-config section (``pipelines/job_params.JOB_PARAMS``), so
+            this node resolves the same config as the hooks and the training node.
+    """
+    resolved = resolve_job_config(sections)
     path = evaluate.resolve_checkpoint(training_summary, resolved.config.checkpoint.folder)
     loaded = evaluate.load_checkpoint_model(resolved, path, evaluate.evaluation_device(resolved))
     logger.info("loaded %s/%s from %s", resolved.spec.name, resolved.config.model.flavor, path)
@@ -57,8 +56,8 @@ def compute_validation_loss(
         token_files["validation"],
         seq_len=cfg.training.seq_len,
         local_batch_size=cfg.training.local_batch_size,
-        dp_rank=0,
-        dp_degree=1,
+        data_rank=0,
+        data_ranks=1,
         seed=cfg.job.seed,
         name="validation",
     )

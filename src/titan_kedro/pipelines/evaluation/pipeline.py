@@ -5,19 +5,14 @@ from __future__ import annotations
 from kedro.pipeline import Pipeline, node, pipeline
 
 from titan_kedro.pipelines.evaluation import nodes
+from titan_kedro.pipelines.job_params import JOB_PARAMS
 
 
 def load_final_model_node() -> node:
     """The node that loads the final checkpoint (export_hf reuses it; Kedro runs it once)."""
     return node(
         nodes.load_final_model,
-        inputs=[
-            "training_summary",
-            "params:model",
-            "params:training",
-            "params:job",
-            "params:checkpoint",
-        ],
+        inputs={"training_summary": "training_summary", **JOB_PARAMS},
         outputs="final_model",
         name="load_final_model",
         tags=["evaluation", "export_hf"],
