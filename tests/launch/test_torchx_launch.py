@@ -24,7 +24,7 @@ from titan_kedro.launch.torchrun import TrainingFailedError, launch_training
 from titan_kedro.pipelines.training import nodes
 
 RUN_ENV = {
-    "MLFLOW_RUN_ID": "0123456789abcdef",
+    "MLFLOW_RUN_ID": "0123456789abcdef0123456789abcdef",
     "MLFLOW_TRACKING_URI": "https://alice:s3cret@mlflow.example:5000",
 }
 CLUSTER = {
@@ -105,7 +105,7 @@ def test_dry_run_writes_the_request_and_trains_nothing(
     assert Path(summary["request_file"]) == tmp_path / "launch" / f"request_{scheduler}.txt"
     for needle in (
         "torch.distributed.run", "--nnodes=2", "--nproc-per-node=8", "--rdzv-backend c10d",
-        "-m titan_kedro.train --config", str(tmp_path / "job" / "job_config.yaml"),
+        "-m titan_kedro.train --config", str(tmp_path / "job" / "runs" / RUN_ENV["MLFLOW_RUN_ID"] / "job_config.yaml"),
         "MLFLOW_RUN_ID", RUN_ENV["MLFLOW_RUN_ID"],
     ):  # fmt: skip
         assert needle in request, needle
@@ -124,7 +124,7 @@ def test_dry_run_writes_the_request_and_trains_nothing(
         assert len(re.findall(r"secretRef:\s+name: mlflow-credentials", request)) == 2
     appdef = json.loads(Path(summary["appdef_file"]).read_text())
     assert appdef["roles"][0]["num_replicas"] == 2 and appdef["roles"][0]["resource"]["gpu"] == 8
-    assert not (tmp_path / "job" / "summary.json").exists() and not (tmp_path / "ckpt").exists()
+    assert not list((tmp_path / "job").rglob("summary.json")) and not (tmp_path / "ckpt").exists()
 
 
 def test_a_dry_run_that_would_be_refused_is_written_then_fails(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """The trainer's state plumbing: restored counters, the batch source, what a checkpoint's
-per-rank file and a healing replica group carry, and ``summary.json``."""
+per-rank file and a healing replica group carry, and the run folder's ``summary.json``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_kedro.train.checkpoint.manager import rng_state, set_rng_state
+from titan_kedro.train.checkpoint.metadata import RUN_ID_SHAPE, CheckpointRunIdError
+
+RUNS_FOLDER = "runs"
+"""``job.dump_folder/runs/<run id>/`` holds one run's ``job_config.yaml`` and ``summary.json``."""
 
 
 @dataclass
@@ -93,9 +97,31 @@ def restore_per_rank(
         torch.manual_seed(reseed)
 
 
-def write_summary(dump_folder: str | Path, summary: dict[str, Any]) -> Path:
-    """Write ``summary.json`` atomically (NaN becomes null)."""
-    path = Path(dump_folder) / "summary.json"
+def run_folder(dump_folder: str | Path, run_id: str | None) -> Path:
+    """``<dump_folder>/runs/<run_id>``: the files of one run, apart from concurrent runs'.
+
+    Args:
+        dump_folder: ``job.dump_folder``.
+        run_id: ``job.run_id`` (the MLflow run id the training node sets); None (a worker
+            started by hand with a config that names no run) gives ``dump_folder`` itself.
+
+    Raises:
+        CheckpointRunIdError: ``run_id`` is no run id (32 lowercase hex digits), so it
+            cannot be a folder name (a path, say).
+    """
+    if run_id is None:
+        return Path(dump_folder)
+    if not RUN_ID_SHAPE.match(run_id):
+        raise CheckpointRunIdError(
+            f"job.run_id={run_id!r} is not a run id (32 lowercase hex digits); leave it unset "
+            "(the training node sets it)"
+        )
+    return Path(dump_folder) / RUNS_FOLDER / run_id
+
+
+def write_summary(folder: str | Path, summary: dict[str, Any]) -> Path:
+    """Write ``folder/summary.json`` atomically (NaN becomes null); ``folder`` is ``run_folder``."""
+    path = Path(folder) / "summary.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     clean = {
         k: (None if isinstance(v, float) and not math.isfinite(v) else v)

@@ -45,6 +45,7 @@ from titan_kedro.train.run_state import (
     load_live_state,
     per_rank_state,
     restore_per_rank,
+    run_folder,
     write_summary,
 )
 from titan_kedro.train.step import NonFiniteLossError, TrainStep
@@ -380,7 +381,7 @@ class Trainer:
         if self.ft is not None:  # lets anyone check that the groups ended in lock-step
             self.ft.write_state_digest(Path(cfg.job.dump_folder) / "ft", self.rank, self.state.step)
         if self.rank == 0 and leader:
-            write_summary(cfg.job.dump_folder, summary)
+            write_summary(run_folder(cfg.job.dump_folder, cfg.job.run_id), summary)
         return summary
 
     def close(self) -> None:
