@@ -177,6 +177,34 @@ def test_remote_checks_name_the_setting_to_change(tmp_path: Path) -> None:
     assert "launch.resources.gpus=4" in problems(cuda)
 
 
+def test_a_secret_local_docker_cannot_pass_is_refused_not_dropped(tmp_path: Path) -> None:
+    """``mlflow_secret`` is a Kubernetes Secret: a docker container would run without it."""
+    image = {"image": "titan-kedro:1"}
+    for env, args in ((RUN_ENV, {"mlflow_secret": "mlflow-credentials"}), (RUN_ENV, {})):
+        job = build_job_config(
+            shared_job(tmp_path, scheduler="local_docker", scheduler_args=image | args)
+        )
+        with pytest.raises(LaunchCheckError) as err:
+            prepare_job(job, env)
+        message = str(err.value)
+        assert "launch.scheduler=local_docker" in message, args
+        assert "s3cret" not in message
+        if args:
+            assert "remove launch.scheduler_args.mlflow_secret" in message
+        else:
+            assert "kubernetes with launch.scheduler_args.mlflow_secret" in message
+    # A secret is refused on local_docker even when the URI holds no credential.
+    plain = {**RUN_ENV, "MLFLOW_TRACKING_URI": "https://mlflow.example:5000"}
+    docker = shared_job(
+        tmp_path, scheduler="local_docker", scheduler_args=image | {"mlflow_secret": "s"}
+    )
+    with pytest.raises(LaunchCheckError, match="mlflow_secret='s' names a Kubernetes Secret"):
+        prepare_job(build_job_config(docker), plain)
+    prepare_job(
+        build_job_config({**docker, "launch": {**docker["launch"], "scheduler_args": image}}), plain
+    )
+
+
 def test_relative_paths_become_absolute_for_remote_workers(tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
     job = shared_job(tmp_path, scheduler="slurm")
