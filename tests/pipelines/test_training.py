@@ -10,7 +10,7 @@ from pathlib import Path
 import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
-from train.helpers import tiny_job, write_token_dir
+from train.helpers import REPO, tiny_job, write_token_dir
 
 from titan_kedro.data.vocab import check_vocab_fits
 from titan_kedro.launch.torchrun import TrainingFailedError, torchrun_command
@@ -193,3 +193,21 @@ def test_runs_sharing_a_dump_folder_keep_their_own_config_and_summary(
         summary = json.loads((config.parent / "summary.json").read_text())
         assert summary["final_step"] == steps
     assert not (tmp_path / "job" / "summary.json").exists()
+
+
+def test_the_catalog_hands_each_run_its_own_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ``kedro run`` s of one project: B saves its summary between A's save and A's
+    evaluation loading it; A still gets its own. A stage run alone reads the file."""
+    import yaml
+    from kedro.io import DataCatalog
+
+    conf = yaml.safe_load((REPO / "conf" / "base" / "catalog_training.yml").read_text())
+    monkeypatch.chdir(tmp_path)
+    run_a, run_b, later = (DataCatalog.from_config(conf) for _ in range(3))
+    run_a.save("training_summary", {"final_step": 3})
+    run_b.save("training_summary", {"final_step": 5})
+    assert run_a.load("training_summary") == {"final_step": 3}
+    assert run_b.load("training_summary") == {"final_step": 5}
+    assert later.load("training_summary") == {"final_step": 5}  # the file: the last saved
