@@ -24,6 +24,7 @@ import yaml
 from conftest import SHARED_SAMPLE, write_c4_shard
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
+from train.helpers import node_job_config
 
 from tests.config.field_reads import (
     branch_reads,
@@ -252,7 +253,9 @@ def test_exported_model_loads_in_transformers_and_matches_our_logits(e2e: E2ERun
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["DeepseekV2ForCausalLM"] and config["vocab_size"] == 102400
 
-    raw = yaml.safe_load((e2e.project / "data/07_model_output/job/job_config.yaml").read_text())
+    raw = yaml.safe_load(
+        node_job_config(e2e.project / "data/07_model_output/job", e2e.run.info.run_id).read_text()
+    )
     ours = load_checkpoint_model(
         resolve_job_config(raw), checkpoint_of(e2e.project, e2e.run, 12)
     ).model
@@ -346,7 +349,9 @@ def test_system_metrics_dataset_inputs_and_registered_model(e2e: E2ERun) -> None
     from titan_kedro.models.resolve import resolve_job_config
     from titan_kedro.train.evaluate import load_checkpoint_model
 
-    raw = yaml.safe_load((e2e.project / "data/07_model_output/job/job_config.yaml").read_text())
+    raw = yaml.safe_load(
+        node_job_config(e2e.project / "data/07_model_output/job", e2e.run.info.run_id).read_text()
+    )
     ours = load_checkpoint_model(
         resolve_job_config(raw), checkpoint_of(e2e.project, e2e.run, 12)
     ).model.eval()

@@ -59,6 +59,7 @@ def test_a_torchx_job_runs_one_replica_per_group_restarting_itself() -> None:
     assert role.num_replicas == 3
     assert role.env["TITAN_KEDRO_REPLICA_ID"] == "${replica_id}"
     assert role.env["TORCHFT_LIGHTHOUSE"] == "http://127.0.0.1:1"
+    assert role.env["GLOO_SOCKET_IFNAME"] == "lo"  # the groups share this machine's loopback
     line = role.args[1]
     assert "--nnodes=1 --nproc-per-node=2 --max-restarts=4" in line
     assert "'--log-dir=/logs/replica-${replica_id}'" in line

@@ -31,6 +31,7 @@ from mlflow.tracking import MlflowClient
 from train.helpers import (
     REPO,
     TINY_DEEPSEEK,
+    node_job_config,
     rerun_here,
     step_losses,
     tiny_job,
@@ -71,7 +72,7 @@ def test_two_groups_train_like_hsdp_with_two_replicas_through_kedro_run(tmp_path
 
     # The same resolved config (the node's job_config.yaml) as one torchrun of 2 HSDP ranks.
     hsdp = rerun_here(
-        project / "data" / "07_model_output" / "job" / "job_config.yaml",
+        node_job_config(project / "data" / "07_model_output" / "job"),
         tmp_path / "hsdp",
         nproc=2,
         fault_tolerance={"enable": False, "replica_groups": 1},

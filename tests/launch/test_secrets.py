@@ -7,7 +7,12 @@ import io
 import json
 import os
 import shlex
+import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote
 
@@ -211,50 +216,103 @@ import tiny_model  # registers tiny_dense
 """
 
 
-def test_a_local_runs_workers_and_log_files_hold_no_password_uri(
+MLFLOW_SERVER = """
+import os, sys
+os.environ["_MLFLOW_SERVER_FILE_STORE"] = sys.argv[1]
+os.environ["_MLFLOW_SERVER_ARTIFACT_ROOT"] = sys.argv[2]
+from mlflow.server import app, handlers
+from werkzeug.serving import make_server
+handlers._get_tracking_store()  # creates the database before the port is announced
+server = make_server("127.0.0.1", 0, app, threaded=True)
+print(server.server_port, flush=True)
+server.serve_forever()
+"""
+"""MLflow's tracking server app on a free loopback port (``mlflow server`` itself, with its
+gunicorn/uvicorn workers, takes about 25 s to start here; this about 5 s)."""
+
+
+@contextmanager
+def mlflow_server(root: Path) -> Iterator[subprocess.Popen[str]]:
+    """A real MLflow server storing under ``root`` (its request log included); it prints
+    its port once it answers."""
+    root.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", MLFLOW_SERVER, f"sqlite:///{root / 'mlflow.db'}", str(root / "art")],
+        stdout=subprocess.PIPE, stderr=(root / "server.log").open("w"), text=True, cwd=root,
+    )  # fmt: skip
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_a_tracking_server_that_stops_mid_run_leaks_no_credential_to_any_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The workers get the URI without credentials (MLflow's variables instead), so
-    MLflow's failure messages, and torchrun's log files, hold no password in any form."""
+    """Two ranks log into a real MLflow server that is killed after their first step.
+
+    The workers get the URI without credentials (MLflow's variables instead), so MLflow's
+    failure messages, torchrun's log files, the worker output and the server's store hold
+    neither the password nor the token, in any form."""
     import yaml
+    from mlflow.tracking import MlflowClient
     from train.helpers import TINY_MODEL, tiny_job, write_token_dir
 
     from titan_kedro.launch import launch_job
-    from titan_kedro.launch.appdef import free_port
 
-    port = free_port()  # nobody listens there: every MLflow call fails
-    password = "p@ss:w0rd"
-    uri = f"http://alice:{quote(password, safe='')}@127.0.0.1:{port}/"
-    env = {"MLFLOW_RUN_ID": RUN_ID, "MLFLOW_TRACKING_URI": uri}  # what the node passes
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
-    probe = tmp_path / "probe.json"
-    model_file = tmp_path / "probe_model.py"
-    model_file.write_text(PROBE_MODEL.format(probe=str(probe), tiny_dir=str(TINY_MODEL.parent)))
-    tokens = write_token_dir(tmp_path / "tokens", n_train=4000)
-    job = tiny_job(
-        tmp_path, tokens, training={"steps": 2},
-        model={"name": "tiny_dense", "flavor": "debugmodel", "custom_model_path": str(model_file)},
-        metrics={"enable_mlflow": True, "system_metrics_interval_s": 0},
-        checkpoint={"enable": False},
-    )  # fmt: skip
-    config = tmp_path / "job_config.yaml"
-    config.write_text(yaml.safe_dump(job), encoding="utf-8")
-    launch_job(build_job_config(job), config, env, console=io.StringIO())
-    assert json.loads((tmp_path / "job" / "summary.json").read_text())["final_step"] == 2
+    password, token = "p@ss:w0rd", "t0k3n-e2e-4b1d"
+    with mlflow_server(tmp_path / "mlflow") as server:  # starts while the test sets up
+        probe = tmp_path / "probe" / "probe.json"  # the test's own record of a worker's env
+        probe.parent.mkdir()
+        model_file = tmp_path / "probe_model.py"
+        model_file.write_text(PROBE_MODEL.format(probe=str(probe), tiny_dir=str(TINY_MODEL.parent)))
+        tokens = write_token_dir(tmp_path / "tokens", n_train=8000)
+        steps = 20
+        job = tiny_job(
+            tmp_path, tokens, training={"steps": steps}, launch={"nproc_per_node": 2},
+            model={"name": "tiny_dense", "flavor": "debugmodel", "custom_model_path": str(model_file)},
+            metrics={"enable_mlflow": True, "system_metrics_interval_s": 0},
+            checkpoint={"enable": False},
+        )  # fmt: skip
+        config = tmp_path / "job_config.yaml"
+        config.write_text(yaml.safe_dump(job), encoding="utf-8")
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        client = MlflowClient(f"http://127.0.0.1:{port}")
+        run_id = client.create_run("0").info.run_id
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail fast once it stops
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+        uri = f"http://alice:{quote(password, safe='')}@127.0.0.1:{port}/?token={token}"
+        env = {"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": uri}  # what the node passes
+        logged: list[int] = []
+
+        def stop_after_first_step() -> None:
+            while not logged and server.poll() is None:
+                logged.extend(m.step for m in client.get_metric_history(run_id, "loss"))
+                time.sleep(0.05)
+            server.kill()
+
+        watcher = threading.Thread(target=stop_after_first_step, daemon=True)
+        watcher.start()
+        launch_job(build_job_config(job), config, env, console=io.StringIO())
+        watcher.join(timeout=30)
+    assert json.loads((tmp_path / "job" / "summary.json").read_text())["final_step"] == steps
+    assert logged and max(logged) < steps  # the server stopped while the run went on
     seen = json.loads(probe.read_text())
     assert seen == {
         "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}/",
         "MLFLOW_TRACKING_USERNAME": "alice",
         "MLFLOW_TRACKING_PASSWORD": password,  # decoded: what MLflow logs in with
     }
-    logs = [p for folder in (tmp_path / "logs", tmp_path / "job") for p in folder.rglob("*")]
-    texts = {p: p.read_text(errors="replace") for p in logs if p.is_file()}
-    assert any(f"MLflow logging into run {RUN_ID} failed" in t for t in texts.values()), (
+    files = [p for p in tmp_path.rglob("*") if p.is_file() and p.parent != probe.parent]
+    texts = {p: p.read_bytes().decode(errors="replace") for p in files}
+    assert any(f"MLflow logging into run {run_id} failed" in t for t in texts.values()), (
         texts.keys()
     )
+    assert any(p.name == "mlflow.db" for p in texts) and any(p.suffix == ".log" for p in texts)
     for path, text in texts.items():
-        for form in (password, quote(password, safe=""), "w0rd"):
+        for form in (password, quote(password, safe=""), "w0rd", token, "token="):
             assert form not in text, f"{form!r} in {path}"
 
 

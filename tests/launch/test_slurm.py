@@ -26,7 +26,7 @@ from launch.job_processes import interrupt_once_training
 from mlflow.tracking import MlflowClient
 from small_project import small_vocab_project
 from test_torchx_launch import shared_job
-from train.helpers import rerun_here, write_token_dir
+from train.helpers import node_job_config, rerun_here, write_token_dir
 
 from titan_kedro.config import build_job_config, dump_job_config
 from titan_kedro.launch import launch_job, prepare_job
@@ -177,7 +177,7 @@ def reference(
 ) -> dict[int, float]:
     """The Slurm job's own resolved config, trained here by torchrun on 1 node × 2 processes."""
     losses = rerun_here(
-        project / "data" / "07_model_output" / "job" / "job_config.yaml",
+        node_job_config(project / "data" / "07_model_output" / "job"),
         tmp_path_factory.mktemp("local_reference"),
         nproc=2,
     )

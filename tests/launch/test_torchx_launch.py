@@ -24,7 +24,7 @@ from titan_kedro.launch.torchrun import TrainingFailedError, launch_training
 from titan_kedro.pipelines.training import nodes
 
 RUN_ENV = {
-    "MLFLOW_RUN_ID": "0123456789abcdef",
+    "MLFLOW_RUN_ID": "0123456789abcdef0123456789abcdef",
     "MLFLOW_TRACKING_URI": "https://alice:s3cret@mlflow.example:5000",
 }
 CLUSTER = {
@@ -105,7 +105,7 @@ def test_dry_run_writes_the_request_and_trains_nothing(
     assert Path(summary["request_file"]) == tmp_path / "launch" / f"request_{scheduler}.txt"
     for needle in (
         "torch.distributed.run", "--nnodes=2", "--nproc-per-node=8", "--rdzv-backend c10d",
-        "-m titan_kedro.train --config", str(tmp_path / "job" / "job_config.yaml"),
+        "-m titan_kedro.train --config", str(tmp_path / "job" / "runs" / RUN_ENV["MLFLOW_RUN_ID"] / "job_config.yaml"),
         "MLFLOW_RUN_ID", RUN_ENV["MLFLOW_RUN_ID"],
     ):  # fmt: skip
         assert needle in request, needle
@@ -124,7 +124,7 @@ def test_dry_run_writes_the_request_and_trains_nothing(
         assert len(re.findall(r"secretRef:\s+name: mlflow-credentials", request)) == 2
     appdef = json.loads(Path(summary["appdef_file"]).read_text())
     assert appdef["roles"][0]["num_replicas"] == 2 and appdef["roles"][0]["resource"]["gpu"] == 8
-    assert not (tmp_path / "job" / "summary.json").exists() and not (tmp_path / "ckpt").exists()
+    assert not list((tmp_path / "job").rglob("summary.json")) and not (tmp_path / "ckpt").exists()
 
 
 def test_a_dry_run_that_would_be_refused_is_written_then_fails(tmp_path: Path) -> None:
@@ -175,6 +175,34 @@ def test_remote_checks_name_the_setting_to_change(tmp_path: Path) -> None:
     cuda = {**job, "training": {**job["training"], "device": "cuda"}}
     cuda["launch"] = {**cuda["launch"], "nproc_per_node": 4}
     assert "launch.resources.gpus=4" in problems(cuda)
+
+
+def test_a_secret_local_docker_cannot_pass_is_refused_not_dropped(tmp_path: Path) -> None:
+    """``mlflow_secret`` is a Kubernetes Secret: a docker container would run without it."""
+    image = {"image": "titan-kedro:1"}
+    for env, args in ((RUN_ENV, {"mlflow_secret": "mlflow-credentials"}), (RUN_ENV, {})):
+        job = build_job_config(
+            shared_job(tmp_path, scheduler="local_docker", scheduler_args=image | args)
+        )
+        with pytest.raises(LaunchCheckError) as err:
+            prepare_job(job, env)
+        message = str(err.value)
+        assert "launch.scheduler=local_docker" in message, args
+        assert "s3cret" not in message
+        if args:
+            assert "remove launch.scheduler_args.mlflow_secret" in message
+        else:
+            assert "kubernetes with launch.scheduler_args.mlflow_secret" in message
+    # A secret is refused on local_docker even when the URI holds no credential.
+    plain = {**RUN_ENV, "MLFLOW_TRACKING_URI": "https://mlflow.example:5000"}
+    docker = shared_job(
+        tmp_path, scheduler="local_docker", scheduler_args=image | {"mlflow_secret": "s"}
+    )
+    with pytest.raises(LaunchCheckError, match="mlflow_secret='s' names a Kubernetes Secret"):
+        prepare_job(build_job_config(docker), plain)
+    prepare_job(
+        build_job_config({**docker, "launch": {**docker["launch"], "scheduler_args": image}}), plain
+    )
 
 
 def test_relative_paths_become_absolute_for_remote_workers(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
-from train.helpers import tiny_job, write_token_dir
+from train.helpers import REPO, tiny_job, write_token_dir
 
 from titan_kedro.data.vocab import check_vocab_fits
 from titan_kedro.launch.torchrun import TrainingFailedError, torchrun_command
@@ -86,9 +86,10 @@ def test_node_trains_on_two_processes_into_the_active_mlflow_run(tmp_path: Path)
         mlflow.set_tracking_uri(None)
     assert summary["final_step"] == 4 and summary["tokens_seen"] == 4 * 2 * 2 * 32
     assert summary["checkpoint_dir"].endswith("step-4")
-    written = json.loads((tmp_path / "job" / "summary.json").read_text())
+    folder = tmp_path / "job" / "runs" / run.info.run_id  # the run's own folder
+    written = json.loads((folder / "summary.json").read_text())
     assert written == summary
-    assert (tmp_path / "job" / "job_config.yaml").is_file()
+    assert (folder / "job_config.yaml").is_file()
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     for key in ("loss", "tps", "mfu_pct", "grad_norm", "lr", "memory_gib"):
         history = client.get_metric_history(run.info.run_id, key)
@@ -155,4 +156,59 @@ def test_node_refuses_a_job_whose_plan_does_not_fit(tmp_path: Path) -> None:
         train_model({"vocab_size": 512}, {}, **raw)
     message = str(err.value)
     assert "DOES NOT FIT" in message and "would help: more ranks" in message
-    assert not (tmp_path / "job" / "job_config.yaml").exists()  # nothing was launched
+    assert not (tmp_path / "job").exists()  # nothing was launched
+
+
+def test_runs_sharing_a_dump_folder_keep_their_own_config_and_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run B starts and finishes while run A trains, in the same ``job.dump_folder``."""
+    from titan_kedro.config import build_job_config, read_config_file
+    from titan_kedro.pipelines.training import nodes
+    from titan_kedro.runs.folders import run_folder
+    from titan_kedro.train.run_state import write_summary
+
+    tokens = write_token_dir(tmp_path / "tokens")
+    configs: list[Path] = []
+
+    def workers(cfg: object, config_path: Path, env: object) -> None:
+        """Stand in for the workers: read the config, start run B inside run A, summarize."""
+        configs.append(Path(config_path))
+        if len(configs) == 1:
+            assert train_model({"vocab_size": 512}, {}, **run_b)["final_step"] == 5
+        job = build_job_config(read_config_file(config_path))  # what a restarted worker reads
+        summary = {"final_step": job.training.steps, "final_loss": 1.0, "tokens_seen": 1}
+        write_summary(run_folder(job.job.dump_folder, job.job.run_id), summary | {"wall_time_s": 0})
+
+    monkeypatch.setattr(nodes, "launch_job", workers)
+    run_a = tiny_job(tmp_path, tokens, training={"steps": 3})
+    run_b = tiny_job(tmp_path, tokens, training={"steps": 5})
+    assert train_model({"vocab_size": 512}, {}, **run_a)["final_step"] == 3
+
+    first, second = configs
+    assert (
+        first != second and first.parent.parent == second.parent.parent == tmp_path / "job" / "runs"
+    )
+    for config, steps in ((first, 3), (second, 5)):
+        assert read_config_file(config)["training"]["steps"] == steps
+        summary = json.loads((config.parent / "summary.json").read_text())
+        assert summary["final_step"] == steps
+    assert not (tmp_path / "job" / "summary.json").exists()
+
+
+def test_the_catalog_hands_each_run_its_own_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ``kedro run`` s of one project: B saves its summary between A's save and A's
+    evaluation loading it; A still gets its own. A stage run alone reads the file."""
+    import yaml
+    from kedro.io import DataCatalog
+
+    conf = yaml.safe_load((REPO / "conf" / "base" / "catalog_training.yml").read_text())
+    monkeypatch.chdir(tmp_path)
+    run_a, run_b, later = (DataCatalog.from_config(conf) for _ in range(3))
+    run_a.save("training_summary", {"final_step": 3})
+    run_b.save("training_summary", {"final_step": 5})
+    assert run_a.load("training_summary") == {"final_step": 3}
+    assert run_b.load("training_summary") == {"final_step": 5}
+    assert later.load("training_summary") == {"final_step": 5}  # the file: the last saved

@@ -138,6 +138,14 @@ def read_metrics(dump_folder: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
 
 
+def node_job_config(dump_folder: Path, run_id: str | None = None) -> Path:
+    """The ``job_config.yaml`` the training node wrote for ``run_id`` (None: its newest)."""
+    runs = Path(dump_folder) / "runs"
+    if run_id is not None:
+        return runs / run_id / "job_config.yaml"
+    return max(runs.glob("*/job_config.yaml"), key=lambda path: path.stat().st_mtime)
+
+
 def rerun_here(
     job_config: Path, root: Path, *, nproc: int, **sections: dict[str, Any]
 ) -> dict[int, float]:

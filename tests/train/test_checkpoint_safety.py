@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from titan_kedro.runs.checkpoint_layout import METADATA
 from titan_kedro.runs.identity import (
@@ -80,6 +81,47 @@ def test_metadata_that_would_run_code_is_refused(tmp_path: Path) -> None:
     # The same bytes through plain pickle would have run the command: the test can fail.
     pickle.loads((path / ".metadata").read_bytes())
     assert marker.exists()
+
+
+def _point_storage_at(path: Path, target: str) -> None:
+    """Rewrite every storage entry of ``path``'s .metadata to read ``target``."""
+    metadata = pickle.loads((path / ".metadata").read_bytes())  # the test's own checkpoint
+    for info in metadata.storage_data.values():
+        info.relative_path = target
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("kind", ["relative", "absolute"])
+def test_metadata_whose_storage_path_leaves_the_folder_is_refused(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    other = _save(tmp_path / "other", nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3)))
+    path = _save(tmp_path / "run" / "step-1", _model())
+    outside = "../../other/__0_0.distcp" if kind == "relative" else str(other / "__0_0.distcp")
+    _point_storage_at(path, outside)
+    # Without the check, DCP's own reader follows the entry into the other checkpoint.
+    plain = {"model": _model().state_dict()}
+    dcp.load(plain, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    assert not torch.equal(plain["model"]["0.weight"], _model().state_dict()["0.weight"])
+
+    opened: list[Path] = []
+    create_stream = FileSystem.create_stream
+
+    def spy(self: FileSystem, stream_path: str | os.PathLike, mode: str) -> object:
+        opened.append(Path(stream_path).resolve())
+        return create_stream(self, stream_path, mode)
+
+    monkeypatch.setattr(FileSystem, "create_stream", spy)
+    target = _model()
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(UnsafeCheckpointError) as refused:
+        load_model_weights(path, target)
+    assert str(path) in str(refused.value)
+    assert outside in str(refused.value)
+    for name, tensor in target.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    assert opened and not [p for p in opened if p.is_relative_to(other.resolve())]
 
 
 def test_publish_replaces_a_folder_without_a_gap(tmp_path: Path) -> None:

@@ -118,7 +118,7 @@ def test_continuing_a_run_a_live_writer_holds_is_refused_before_anything_starts(
     with live_holder(checkpoint.parent) as holder, pytest.raises(RunFolderLockedError) as err:
         train_model({"vocab_size": 512}, {}, **job)
     assert f"pid {holder.pid} on host {socket.gethostname()}" in str(err.value)
-    assert not (tmp_path / "job" / "job_config.yaml").exists()
+    assert not list((tmp_path / "job").rglob("job_config.yaml"))
     assert not (tmp_path / "logs").exists()  # no worker started
 
 

@@ -28,7 +28,7 @@ from torchx.specs import macros
 
 from titan_kedro.config.schema import LOCAL_CWD_SCHEDULER
 from titan_kedro.ft.identity import REPLICA_ID_ENV
-from titan_kedro.launch.torchrun import torchrun_command
+from titan_kedro.launch.torchrun import GLOO_IFNAME_ENV, loopback_interface, torchrun_command
 from titan_kedro.runs.parent_death import guarded_command
 
 ROLE = "train"
@@ -93,6 +93,8 @@ def build_appdef(cfg: Any, config_path: str | Path, env: Mapping[str, str]) -> s
     python = sys.executable if launch.scheduler in HOST_SCHEDULERS else "python"
     endpoint = rendezvous_endpoint(launch)
     local = launch.scheduler == LOCAL_CWD_SCHEDULER  # every agent on this machine
+    if local:  # gloo listens on loopback, as for ``local`` (``torchrun.start_torchrun``)
+        env[GLOO_IFNAME_ENV] = loopback_interface()
     cmd = torchrun_command(
         launch, config_path, python=python, rendezvous=(endpoint, macros.app_id), loopback=local
     )

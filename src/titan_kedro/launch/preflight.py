@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from titan_kedro.config.schema import LOCAL_CWD_SCHEDULER, LOCAL_SCHEDULER
 from titan_kedro.launch.appdef import HOST_SCHEDULERS
-from titan_kedro.launch.secrets import SECRET_ARG, redact, split_tracking_uri
+from titan_kedro.launch.secrets import SECRET_ARG, SECRET_SCHEDULERS, redact, split_tracking_uri
 from titan_kedro.tracking.mlflow_logger import TRACKING_URI_ENV
 
 logger = logging.getLogger(__name__)
@@ -130,13 +130,30 @@ def _check_mlflow(cfg: Any, env: Mapping[str, str]) -> list[str]:
 
 
 def _check_credentials(cfg: Any, env: Mapping[str, str]) -> list[str]:
-    """Kubernetes pods get MLflow's credentials from a Secret, never from the request."""
+    """Kubernetes pods get MLflow's credentials from a Secret, never from the request; the
+    other image schedulers (``local_docker``, …) have no way to pass them but the request."""
     launch = cfg.launch
-    if launch.scheduler in HOST_SCHEDULERS or launch.scheduler_args.get(SECRET_ARG):
-        return []
+    secret = launch.scheduler_args.get(SECRET_ARG)
+    if secret and launch.scheduler not in SECRET_SCHEDULERS:
+        return [
+            f"launch.scheduler_args.{SECRET_ARG}={secret!r} names a Kubernetes Secret, which "
+            f"launch.scheduler={launch.scheduler} cannot hand to its workers (they would log "
+            f"to MLflow without credentials): remove launch.scheduler_args.{SECRET_ARG}, and "
+            "use launch.scheduler=kubernetes, slurm or local_cwd for a server that needs them"
+        ]
     found = split_tracking_uri(env.get(TRACKING_URI_ENV)).credentials
-    if not cfg.metrics.enable_mlflow or not found:
+    if launch.scheduler in HOST_SCHEDULERS or secret or not found:
         return []
+    if not cfg.metrics.enable_mlflow:
+        return []
+    if launch.scheduler not in SECRET_SCHEDULERS:
+        return [
+            f"MLflow credentials ({', '.join(sorted(found))}) would travel in the "
+            f"launch.scheduler={launch.scheduler} request (readable by anyone who can inspect "
+            "the job): use launch.scheduler=kubernetes with launch.scheduler_args."
+            f"{SECRET_ARG}, slurm or local_cwd, or a tracking server the workers reach "
+            "without credentials, or metrics.enable_mlflow=false"
+        ]
     return [
         f"MLflow credentials ({', '.join(sorted(found))}) must not travel in the "
         f"{launch.scheduler} request: create a Secret with those keys (kubectl create secret "

@@ -102,6 +102,9 @@ def exported(credentials: Mapping[str, str]) -> Iterator[None]:
 SECRET_ARG = "mlflow_secret"
 """``launch.scheduler_args`` key naming the Kubernetes Secret with MLflow's credential
 variables (keys ``MLFLOW_TRACKING_USERNAME`` / ``PASSWORD`` / ``TOKEN``)."""
+SECRET_SCHEDULERS = frozenset({"kubernetes"})
+"""Schedulers whose request ``with_secret_ref`` points at the Secret (Volcano jobs); any other
+would drop it, so the preflight refuses ``mlflow_secret`` there."""
 
 
 def with_secret_ref(info: Any, scheduler_args: Mapping[str, Any]) -> Any:

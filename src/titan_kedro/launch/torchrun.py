@@ -16,6 +16,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -168,6 +169,19 @@ class TorchrunGroup:
     """Credential values in the workers' environment, masked in echoed output and errors."""
 
 
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+
+
+def loopback_interface() -> str:
+    """The name of this machine's loopback interface (``lo`` on Linux, ``lo0`` on macOS)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
+            return name
+    return "lo"
+
+
 def start_torchrun(
     launch: Any,
     config_path: str | Path,
@@ -197,6 +211,9 @@ def start_torchrun(
     env = worker_env(given)
     # torchrun forces OMP_NUM_THREADS=1 otherwise; the worker sets its own thread count.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // launch.nproc_per_node)))
+    # Every worker (and every replica group) is on this machine: gloo's sockets, within a
+    # group and TorchFT's between groups, listen on loopback, not where the host name points.
+    env[GLOO_IFNAME_ENV] = loopback_interface()
     cmd = list(command or torchrun_command(launch, config_path, loopback=True))
     process = subprocess.Popen(
         guarded_command(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE,

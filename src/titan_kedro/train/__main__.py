@@ -7,7 +7,7 @@ Single node, 2 processes (CPU: gloo; GPUs: one process per GPU, NCCL)::
 
     python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 2 \\
         --max-restarts 0 --log-dir data/07_model_output/logs --tee 3 --local-ranks-filter 0 \\
-        -m titan_kedro.train --config data/07_model_output/job/job_config.yaml \\
+        -m titan_kedro.train --config data/07_model_output/job/runs/<run id>/job_config.yaml \\
         --launch.nproc_per_node 2
 
 Two nodes with 8 GPUs each (the same command on every node; the rendezvous assigns the

@@ -1,5 +1,5 @@
 """The trainer's state plumbing: restored counters, the batch source, what a checkpoint's
-per-rank file and a healing replica group carry, and ``summary.json``."""
+per-rank file and a healing replica group carry, and the run folder's ``summary.json``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_kedro.train.checkpoint.manager import rng_state, set_rng_state
+
+"""``job.dump_folder/runs/<run id>/`` holds one run's ``job_config.yaml`` and ``summary.json``."""
 
 
 @dataclass
@@ -93,9 +95,9 @@ def restore_per_rank(
         torch.manual_seed(reseed)
 
 
-def write_summary(dump_folder: str | Path, summary: dict[str, Any]) -> Path:
-    """Write ``summary.json`` atomically (NaN becomes null)."""
-    path = Path(dump_folder) / "summary.json"
+def write_summary(folder: str | Path, summary: dict[str, Any]) -> Path:
+    """Write ``folder/summary.json`` atomically (NaN becomes null); ``folder`` is ``run_folder``."""
+    path = Path(folder) / "summary.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     clean = {
         k: (None if isinstance(v, float) and not math.isfinite(v) else v)

@@ -24,6 +24,7 @@ from titan_kedro.data.token_store import read_token_metadata
 from titan_kedro.ft.identity import data_shard, restarted_group
 from titan_kedro.models.parallel import autocast_dtype, training_dtypes
 from titan_kedro.models.resolve import ResolvedJob
+from titan_kedro.runs.folders import run_folder
 from titan_kedro.runs.identity import checkpoint_metadata
 from titan_kedro.tracking.mlflow_logger import MlflowMetricsSink
 from titan_kedro.train.checkpoint.manager import CheckpointManager, ModelState
@@ -385,7 +386,7 @@ class Trainer:
         if self.ft is not None and self.test_hooks.state_digest:  # groups end in lock-step
             self.ft.write_state_digest(Path(cfg.job.dump_folder) / "ft", self.rank, self.state.step)
         if self.rank == 0 and leader:
-            write_summary(cfg.job.dump_folder, summary)
+            write_summary(run_folder(cfg.job.dump_folder, cfg.job.run_id), summary)
         return summary
 
     def close(self) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
 from titan_kedro.config import dump_job_config
@@ -16,6 +15,7 @@ from titan_kedro.data.vocab import check_vocab_fits
 from titan_kedro.launch import TrainingFailedError, launch_job, mlflow_env, prepare_job
 from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.plan import apply_plan_choices, build_plan, check_plan_fits, format_plan
+from titan_kedro.runs.folders import run_folder
 from titan_kedro.runs.identity import prepare_run
 from titan_kedro.tracking.mlflow_logger import RUN_ID_ENV
 
@@ -30,6 +30,11 @@ def train_model(
     **sections: dict[str, Any],
 ) -> dict[str, Any]:
     """Plan the run, write the resolved job config, run the workers, return their summary.
+
+    The config and the summary live in this run's own folder,
+    ``job.dump_folder/runs/<run id>/`` (``runs.folders.run_folder``), so runs sharing
+    ``job.dump_folder`` never read each other's; the summary reaches the other stages as
+    this node's output.
 
     A new run (``checkpoint.resume: never``) trains from step 0 into
     ``checkpoint.folder/<MLflow run id>``; otherwise the named run is continued after
@@ -64,9 +69,9 @@ def train_model(
     env = mlflow_env()
     planned = prepare_run(resolved.config, token_metadata, env.get(RUN_ID_ENV))
     cfg = prepare_job(planned, env)
-    dump = Path(cfg.job.dump_folder)
-    config_path = dump_job_config(cfg, dump / JOB_CONFIG_FILE)
-    summary_path = dump / "summary.json"
+    folder = run_folder(cfg.job.dump_folder, cfg.job.run_id)
+    config_path = dump_job_config(cfg, folder / JOB_CONFIG_FILE)
+    summary_path = folder / "summary.json"
     if not cfg.launch.dryrun:
         summary_path.unlink(missing_ok=True)
     logger.info("job config written to %s", config_path)

@@ -2,8 +2,9 @@
 
 Every load path (resume, evaluation, export, ``load_model_weights``) reads DCP's
 ``.metadata`` through ``SafeFileSystemReader``, whose unpickler admits only DCP's metadata
-classes, torch dtypes/sizes and a few builtins, so a crafted checkpoint cannot run code;
-the other non-tensor values are read with ``torch.load(weights_only=True)``
+classes, torch dtypes/sizes and a few builtins, so a crafted checkpoint cannot run code,
+and whose storage entries must each name a file inside the checkpoint folder, so a crafted
+checkpoint cannot make a load read another file; the other non-tensor values are read with ``torch.load(weights_only=True)``
 (``SafeLoadPlanner``).
 """
 
@@ -64,8 +65,29 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
+def check_storage_paths(metadata: dcp_metadata.Metadata, folder: str | Path) -> None:
+    """Refuse metadata whose storage entries name a file outside ``folder``.
+
+    DCP's reader joins each entry's ``relative_path`` to the checkpoint folder, so an
+    absolute path or a ``..`` would read another checkpoint's (or any) file.
+
+    Raises:
+        UnsafeCheckpointError: An entry resolves outside ``folder`` (symlinks followed).
+    """
+    root = Path(folder).resolve()
+    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+        relative = getattr(info, "relative_path", None)
+        if not isinstance(relative, str) or not (root / relative).resolve().is_relative_to(root):
+            fqn = getattr(index, "fqn", index)
+            raise UnsafeCheckpointError(
+                f"refusing to load checkpoint {folder}: its .metadata stores '{fqn}' in "
+                f"{relative!r}, which is not a file inside the checkpoint folder. Only load "
+                "checkpoints this project wrote; delete or re-create this one"
+            )
+
+
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose ``read_metadata`` uses the allow-list unpickler."""
+    """``FileSystemReader`` with the allow-list unpickler and checked storage paths."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
@@ -73,6 +95,7 @@ class SafeFileSystemReader(FileSystemReader):
             metadata = _MetadataUnpickler(file, str(path)).load()
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise UnsafeCheckpointError(f"{path} holds {type(metadata).__name__}, not DCP Metadata")
+        check_storage_paths(metadata, self.path)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -96,8 +119,9 @@ def safe_dcp_load(state: dict[str, Any], path: str | Path, **kwargs: Any) -> Non
     """``dcp.load`` with the safe metadata reader and the ``weights_only`` planner.
 
     Raises:
-        UnsafeCheckpointError: The metadata names a global outside the allow-list (read
-            first, so the refusal is not buried in DCP's per-rank error report).
+        UnsafeCheckpointError: The metadata names a global outside the allow-list or a
+            storage file outside ``path`` (read first, so the refusal is not buried in
+            DCP's per-rank error report).
     """
     SafeFileSystemReader(str(path)).read_metadata()
     dcp.load(
