@@ -119,6 +119,29 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+_PROCESS_ENV_KEPT = (
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+    "MLFLOW_RUN_ID",
+)
+
+
+@pytest.fixture(autouse=True)
+def _restore_tracking_environment() -> Iterator[None]:
+    """A Kedro session opened in this process (settings.py) moves a tracking URI's
+    credentials into ``MLFLOW_TRACKING_*``; put the process environment back after every
+    test, so a later test never sees an earlier one's credentials."""
+    before = {key: os.environ.get(key) for key in _PROCESS_ENV_KEPT}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture(autouse=True)
 def _forget_active_mlflow_experiment() -> Iterator[None]:
     """``mlflow.set_experiment`` (tests, Kedro sessions) sets a process-wide experiment id
