@@ -24,6 +24,7 @@ import yaml
 from conftest import SHARED_SAMPLE, write_c4_shard
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
+from mlflow_store import migrated_store
 from train.helpers import node_job_config
 
 from tests.config.field_reads import (
@@ -43,8 +44,13 @@ DATA_LAYERS = (
 )  # fmt: skip
 
 
-def copy_project(dest: Path) -> Path:
-    """A runnable copy of the Kedro project in ``dest`` without data or local config."""
+def copy_project(dest: Path, *, mlflow_store: bool = True) -> Path:
+    """A runnable copy of the Kedro project in ``dest`` without data or local config.
+
+    Args:
+        dest: The copy's folder.
+        mlflow_store: Start its ``mlflow.db`` migrated (``mlflow_store.migrated_store``).
+    """
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy2(REPO / "pyproject.toml", dest / "pyproject.toml")
     shutil.copytree(REPO / "conf", dest / "conf", ignore=shutil.ignore_patterns("local"))
@@ -53,6 +59,8 @@ def copy_project(dest: Path) -> Path:
     (dest / "src").mkdir()
     for layer in DATA_LAYERS:
         (dest / "data" / layer).mkdir(parents=True)
+    if mlflow_store:
+        migrated_store(dest / "mlflow.db")
     return dest
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from kedro.framework.session import KedroSession
 from kedro.framework.startup import bootstrap_project
+from mlflow_store import migrated_store
 
 from titan_kedro.config import ConfigError
 
@@ -15,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def _isolated_mlflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", migrated_store(tmp_path / "mlflow.db"))
     monkeypatch.setenv("KEDRO_DISABLE_TELEMETRY", "true")
     bootstrap_project(REPO)
 

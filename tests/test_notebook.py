@@ -8,6 +8,7 @@ import mlflow
 import nbformat
 import pytest
 from mlflow.tracking import MlflowClient
+from mlflow_store import migrated_store
 from nbclient import NotebookClient
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +42,7 @@ def _outputs(nb: nbformat.NotebookNode) -> tuple[str, list[str]]:
 
 @pytest.mark.slow
 def test_notebook_plots_the_latest_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path / "mlflow.db")
     client = MlflowClient(uri)
     experiment_id = client.create_experiment("titan_kedro")
     _log_run(client, experiment_id, "older", steps=3)

@@ -28,7 +28,7 @@ LAYER_ORDER = (
 @pytest.fixture(scope="module")
 def viz_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``kedro viz build`` (project hooks off, the default) in a copy of the project."""
-    project = copy_project(tmp_path_factory.mktemp("viz") / "project")
+    project = copy_project(tmp_path_factory.mktemp("viz") / "project", mlflow_store=False)
     env = {**os.environ, "KEDRO_DISABLE_TELEMETRY": "true"}
     proc = subprocess.run(
         [sys.executable, "-m", "kedro", "viz", "build"],

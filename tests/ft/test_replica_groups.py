@@ -28,6 +28,7 @@ import psutil
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
+from mlflow_store import migrated_store
 from train.helpers import (
     REPO,
     TINY_DEEPSEEK,
@@ -107,7 +108,7 @@ def _run_node_with_kill(
     monkeypatch.setenv("TITAN_KEDRO_CRASH_AT_STEP", "5")
     monkeypatch.setenv("TITAN_KEDRO_CRASH_GROUP", "1")
     monkeypatch.setenv("TITAN_KEDRO_DEGRADED_STEP_DELAY_S", str(DEGRADED_DELAY_S))
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.set_tracking_uri(migrated_store(tmp_path / "mlflow.db"))
     run = mlflow.start_run()
     try:
         summary = train_model({"vocab_size": 512}, {}, **params)

@@ -17,6 +17,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+from mlflow_store import migrated_store
 from test_torchx_launch import RUN_ENV, shared_job
 
 from titan_kedro.config import build_job_config
@@ -237,7 +238,7 @@ def mlflow_server(root: Path) -> Iterator[subprocess.Popen[str]]:
     its port once it answers."""
     root.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-c", MLFLOW_SERVER, f"sqlite:///{root / 'mlflow.db'}", str(root / "art")],
+        [sys.executable, "-c", MLFLOW_SERVER, migrated_store(root / "mlflow.db"), str(root / "art")],
         stdout=subprocess.PIPE, stderr=(root / "server.log").open("w"), text=True, cwd=root,
     )  # fmt: skip
     try:

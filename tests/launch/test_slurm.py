@@ -24,6 +24,7 @@ import psutil
 import pytest
 from launch.job_processes import interrupt_once_training
 from mlflow.tracking import MlflowClient
+from mlflow_store import migrated_store
 from small_project import small_vocab_project
 from test_torchx_launch import shared_job
 from train.helpers import node_job_config, rerun_here, write_token_dir
@@ -99,7 +100,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     allowed = ",".join(f"{h}:{port}" for h in (HOST, "127.0.0.1", "localhost"))
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--workers", "1",
+         "--backend-store-uri", migrated_store(root / "mlflow.db"), "--workers", "1",
          "--artifacts-destination", str(root / "artifacts"), "--allowed-hosts", allowed],
         cwd=root, stdout=subprocess.DEVNULL, stderr=(root / "server.log").open("w"),
         # No background job runner (eight huey processes that the tests never use).

@@ -10,6 +10,7 @@ from pathlib import Path
 import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
+from mlflow_store import migrated_store
 from train.helpers import REPO, tiny_job, write_token_dir
 
 from titan_kedro.data.vocab import check_vocab_fits
@@ -78,7 +79,7 @@ def test_node_trains_on_two_processes_into_the_active_mlflow_run(tmp_path: Path)
         metrics={"enable_mlflow": True, "peak_tflops": None},
         checkpoint={"interval": 2},
     )
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.set_tracking_uri(migrated_store(tmp_path / "mlflow.db"))
     try:
         with mlflow.start_run() as run:
             summary = train_model({"vocab_size": 512}, {}, **params)

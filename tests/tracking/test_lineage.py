@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import mlflow
+from mlflow_store import migrated_store
 
 from titan_kedro.tracking.lineage import log_lineage
 
@@ -48,7 +49,7 @@ def test_raw_and_token_splits_are_logged_with_contexts(tmp_path: Path) -> None:
         },
     }
     data = {"source": "local", "raw_dir": str(raw), "token_dir": str(tmp_path / "tokens")}
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.set_tracking_uri(migrated_store(tmp_path / "mlflow.db"))
     mlflow.set_experiment("lineage-test")  # not an id left over by another test
     try:
         with mlflow.start_run() as run:

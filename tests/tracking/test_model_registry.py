@@ -7,6 +7,7 @@ from pathlib import Path
 import mlflow
 import numpy as np
 import torch
+from mlflow_store import migrated_store
 
 from titan_kedro.models import get_train_spec
 from titan_kedro.models.hf_export import export_hf_folder
@@ -36,7 +37,7 @@ def test_registered_alias_loads_and_matches_our_logits(tmp_path: Path) -> None:
     folder = tmp_path / "hf"
     export_hf_folder(model, spec, args, folder)
 
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.set_tracking_uri(migrated_store(tmp_path / "mlflow.db"))
     mlflow.set_experiment("registry-test")
     try:
         with mlflow.start_run() as run:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
+from mlflow_store import migrated_store
 
 from titan_kedro.tracking.system_metrics import NodeSystemMetrics
 
@@ -14,7 +15,7 @@ from titan_kedro.tracking.system_metrics import NodeSystemMetrics
 def test_node_monitor_logs_system_metrics_under_node_id(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = migrated_store(tmp_path / "mlflow.db")
     mlflow.set_tracking_uri(uri)
     mlflow.set_experiment("system-metrics-test")  # not an id left over by another test
     try:
