@@ -7,17 +7,14 @@ import io
 import json
 import os
 import shlex
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from mlflow_store import migrated_store
+from mlflow_store import mlflow_server
 from test_torchx_launch import RUN_ENV, shared_job
 
 from titan_kedro.config import build_job_config
@@ -215,37 +212,6 @@ if "RANK" in os.environ:  # a worker: what its environment holds
 sys.path.insert(0, {tiny_dir!r})
 import tiny_model  # registers tiny_dense
 """
-
-
-MLFLOW_SERVER = """
-import os, sys
-os.environ["_MLFLOW_SERVER_FILE_STORE"] = sys.argv[1]
-os.environ["_MLFLOW_SERVER_ARTIFACT_ROOT"] = sys.argv[2]
-from mlflow.server import app, handlers
-from werkzeug.serving import make_server
-handlers._get_tracking_store()  # creates the database before the port is announced
-server = make_server("127.0.0.1", 0, app, threaded=True)
-print(server.server_port, flush=True)
-server.serve_forever()
-"""
-"""MLflow's tracking server app on a free loopback port (``mlflow server`` itself, with its
-gunicorn/uvicorn workers, takes about 25 s to start here; this about 5 s)."""
-
-
-@contextmanager
-def mlflow_server(root: Path) -> Iterator[subprocess.Popen[str]]:
-    """A real MLflow server storing under ``root`` (its request log included); it prints
-    its port once it answers."""
-    root.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", MLFLOW_SERVER, migrated_store(root / "mlflow.db"), str(root / "art")],
-        stdout=subprocess.PIPE, stderr=(root / "server.log").open("w"), text=True, cwd=root,
-    )  # fmt: skip
-    try:
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
 
 
 def test_a_tracking_server_that_stops_mid_run_leaks_no_credential_to_any_file(

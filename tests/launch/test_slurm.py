@@ -15,7 +15,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,14 +23,13 @@ import psutil
 import pytest
 from launch.job_processes import interrupt_once_training
 from mlflow.tracking import MlflowClient
-from mlflow_store import migrated_store
+from mlflow_store import mlflow_server
 from small_project import small_vocab_project
 from test_torchx_launch import shared_job
 from train.helpers import node_job_config, rerun_here, write_token_dir
 
 from titan_kedro.config import build_job_config, dump_job_config
 from titan_kedro.launch import launch_job, prepare_job
-from titan_kedro.launch.appdef import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -95,31 +93,12 @@ class Server:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """An MLflow server of ours: bound to 127.0.0.1, answering to this host's name."""
     _require_cluster()
-    root = tmp_path_factory.mktemp("mlflow_server")
-    port = free_port()
-    allowed = ",".join(f"{h}:{port}" for h in (HOST, "127.0.0.1", "localhost"))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", migrated_store(root / "mlflow.db"), "--workers", "1",
-         "--artifacts-destination", str(root / "artifacts"), "--allowed-hosts", allowed],
-        cwd=root, stdout=subprocess.DEVNULL, stderr=(root / "server.log").open("w"),
-        # No background job runner (eight huey processes that the tests never use).
-        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
-    )  # fmt: skip
-    client = MlflowClient(f"http://{HOST}:{port}")
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            client.search_experiments(max_results=1)
-            break
-        except Exception:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"MLflow server did not start:\n{(root / 'server.log').read_text()}")
-            time.sleep(2)
-    yield Server(port, client)
-    proc.terminate()
-    proc.wait(timeout=30)
+    root = tmp_path_factory.mktemp("mlflow_server") / "server"
+    with mlflow_server(root, host_names=(HOST,)) as proc:
+        line = proc.stdout.readline() if proc.stdout else ""
+        assert line.strip().isdigit(), (root / "server.log").read_text()
+        port = int(line)
+        yield Server(port, MlflowClient(f"http://{HOST}:{port}"))
 
 
 ENV = "slurmcheck"

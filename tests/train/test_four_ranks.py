@@ -33,12 +33,21 @@ LAYOUTS = {
 
 # DeepSeek-V3 (sigmoid, group-limited routing with the correction bias, q-LoRA, one MTP
 # depth whose block is an MoE layer too): two steps suffice to carry a bias update over.
+# V2 trains every layout; V3's additions (the MTP block, sigmoid group-limited routing and
+# its bias) are model code that no layout treats differently, so V3 trains the layout that
+# nests all three meshes (replicate × expert-FSDP × EP) once.
 MODELS: dict[str, dict[str, Any]] = {
-    "deepseek_v2": {"model": {}, "steps": 3, "keys": ("loss", "grad_norm", "moe_aux_loss")},
+    "deepseek_v2": {
+        "model": {},
+        "steps": 3,
+        "keys": ("loss", "grad_norm", "moe_aux_loss"),
+        "layouts": tuple(LAYOUTS),
+    },
     "deepseek_v3": {
         "model": {"mtp_depth": 1},
         "steps": 2,
         "keys": ("loss", "grad_norm", "moe_aux_loss", "mtp_loss"),
+        "layouts": ("hsdp2x2_ep2",),
     },
 }
 
@@ -72,8 +81,8 @@ def test_four_rank_ep_layouts_train_like_one_process_with_accumulation(
     reference = read_metrics(reference_job["job"]["dump_folder"])
     assert [row["step"] for row in reference] == steps
     assert reference[-1]["loss"] < reference[0]["loss"]
-    for name, parallelism in LAYOUTS.items():
-        job = _moe_job(tmp_path, tokens, name, parallelism, model)
+    for name in MODELS[model]["layouts"]:
+        job = _moe_job(tmp_path, tokens, name, LAYOUTS[name], model)
         run_worker(job, nproc=4, timeout_s=300)
         rows = read_metrics(job["job"]["dump_folder"])
         assert [row["step"] for row in rows] == steps, name
