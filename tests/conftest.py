@@ -7,6 +7,7 @@ import json
 import os
 import random
 import shutil
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,13 @@ import pytest
 from kedro.config import OmegaConfigLoader
 
 REPO = Path(__file__).resolve().parents[1]
+
+# A suite started in the background by a shell without job control (`(make test &)`)
+# inherits SIGINT ignored, and so does every process it starts, since an ignored signal
+# stays ignored across exec: the Ctrl-C tests' SIGINT would then reach nothing. Processes
+# the tests start get the default disposition, as under a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 SHARED_SAMPLE = REPO.parent / "shared" / "data" / "c4" / "c4-train.00000-of-01024.head900.json.gz"
 
 _WORDS = (

@@ -200,19 +200,23 @@ def test_ctrl_c_stops_every_group_and_the_lighthouses(scheduler: str, tmp_path: 
         [sys.executable, "-c", LAUNCHER, str(config), str(tmp_path / "job" / "job.yaml")],
         env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    metrics = tmp_path / "job" / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
-        assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "the groups never trained 3 steps"
-        time.sleep(0.5)
-    tree = [p.pid for p in psutil.Process(launcher.pid).children(recursive=True)]
-    assert len(tree) >= 4  # two torchrun agents and their workers (local_cwd: and wrappers)
-    match = LIGHTHOUSE_LINE.search((tmp_path / "launcher.log").read_text())
-    assert match is not None and _port_open(match.group(1))
+    try:
+        metrics = tmp_path / "job" / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+            assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the groups never trained 3 steps"
+            time.sleep(0.5)
+        tree = [p.pid for p in psutil.Process(launcher.pid).children(recursive=True)]
+        assert len(tree) >= 4  # two torchrun agents and their workers (local_cwd: and wrappers)
+        match = LIGHTHOUSE_LINE.search((tmp_path / "launcher.log").read_text())
+        assert match is not None and _port_open(match.group(1))
 
-    launcher.send_signal(signal.SIGINT)
-    launcher.wait(timeout=60)
+        launcher.send_signal(signal.SIGINT)
+        launcher.wait(timeout=60)
+    finally:  # a failed check leaves no 100,000-step job training under the rest of the suite
+        if launcher.poll() is None:
+            launcher.kill()  # its groups end with it (runs.parent_death)
     deadline = time.monotonic() + 30
     while descendants_alive(tree) and time.monotonic() < deadline:
         time.sleep(0.5)
