@@ -4,6 +4,11 @@ torchx-nightly describes a Slurm job with ``squeue --json`` and expects a ``job_
 entry on every job; Slurm before 23.02 leaves it out while the job is pending, and TorchX
 then fails with ``KeyError: 'job_resources'``, also inside ``cancel`` (which asks for the
 state first), so a job could not even be cancelled. Here such a job is described as pending.
+
+TorchX also gives a heterogeneous job (one component per node) the state of the component
+``squeue`` lists last. After ``scancel`` one component can read ``CANCELLED`` while another
+is still ``COMPLETING`` (its processes being killed), and the job looked ended while it was
+still in the queue. Here a job is ended only when every component listed has ended.
 """
 
 from __future__ import annotations
@@ -14,22 +19,27 @@ from torchx.runner import Runner
 from torchx.schedulers import get_scheduler_factories
 from torchx.schedulers.api import DescribeAppResponse
 from torchx.schedulers.slurm_scheduler import SlurmScheduler
-from torchx.specs import AppState
+from torchx.specs import AppState, is_terminal
 
 SESSION = "torchx"
 """TorchX's default session name (handles read ``slurm://torchx/<job id>``)."""
 
 
 class PendingAwareSlurmScheduler(SlurmScheduler):
-    """TorchX's Slurm scheduler; a queued job without ``job_resources`` is pending."""
+    """TorchX's Slurm scheduler, pending without ``job_resources``, ended when all parts are."""
 
     def _describe_squeue(self, app_id: str) -> DescribeAppResponse | None:
         try:
-            return super()._describe_squeue(app_id)
+            described = super()._describe_squeue(app_id)
         except KeyError as err:
             if err.args != ("job_resources",):
                 raise
             return DescribeAppResponse(app_id=app_id, state=AppState.PENDING)
+        if described is not None and is_terminal(described.state):
+            states = [r.state for role in described.roles_statuses for r in role.replicas]
+            if any(not is_terminal(state) for state in states):
+                described.state = AppState.RUNNING
+        return described
 
 
 def _create_slurm(session_name: str, **kwargs: Any) -> SlurmScheduler:
