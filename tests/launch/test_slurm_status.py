@@ -46,6 +46,15 @@ def test_a_job_with_a_component_still_completing_has_not_ended(
     assert _state(monkeypatch, jobs) == AppState.CANCELLED
 
 
+def test_a_job_failed_when_any_component_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # TorchX took the last-listed component's state: a crashed node 1 listed before a
+    # node 0 that completed read as a job that succeeded.
+    jobs = [_component(1, "FAILED"), _component(0, "COMPLETED")]
+    assert _state(monkeypatch, jobs) == AppState.FAILED
+    jobs = [_component(0, "COMPLETED"), _component(1, "COMPLETED")]
+    assert _state(monkeypatch, jobs) == AppState.SUCCEEDED
+
+
 def test_a_pending_component_without_job_resources_is_pending(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

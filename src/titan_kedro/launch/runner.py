@@ -8,7 +8,9 @@ state first), so a job could not even be cancelled. Here such a job is described
 TorchX also gives a heterogeneous job (one component per node) the state of the component
 ``squeue`` lists last. After ``scancel`` one component can read ``CANCELLED`` while another
 is still ``COMPLETING`` (its processes being killed), and the job looked ended while it was
-still in the queue. Here a job is ended only when every component listed has ended.
+still in the queue; and a job whose last-listed component completed read as succeeded
+though another had failed. Here a job is ended when every component listed has ended,
+and failed when any of them failed.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ SESSION = "torchx"
 
 
 class PendingAwareSlurmScheduler(SlurmScheduler):
-    """TorchX's Slurm scheduler, pending without ``job_resources``, ended when all parts are."""
+    """TorchX's Slurm scheduler, with a job's state read from all of its components."""
 
     def _describe_squeue(self, app_id: str) -> DescribeAppResponse | None:
         try:
@@ -36,10 +38,20 @@ class PendingAwareSlurmScheduler(SlurmScheduler):
                 raise
             return DescribeAppResponse(app_id=app_id, state=AppState.PENDING)
         if described is not None and is_terminal(described.state):
-            states = [r.state for role in described.roles_statuses for r in role.replicas]
-            if any(not is_terminal(state) for state in states):
-                described.state = AppState.RUNNING
+            described.state = _whole_job_state(
+                [r.state for role in described.roles_statuses for r in role.replicas]
+            )
         return described
+
+
+def _whole_job_state(parts: list[AppState]) -> AppState:
+    """Running while any part runs; else failed if any part failed, cancelled if any was."""
+    if any(not is_terminal(state) for state in parts):
+        return AppState.RUNNING
+    for state in (AppState.FAILED, AppState.CANCELLED):
+        if state in parts:
+            return state
+    return AppState.SUCCEEDED
 
 
 def _create_slurm(session_name: str, **kwargs: Any) -> SlurmScheduler:
