@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -195,7 +196,8 @@ def test_a_job_past_its_timeout_is_cancelled_and_says_so(
     data = _data(tmp_path, corpus, executor="torchx", tasks=2, timeout_s=3)
     with pytest.raises(TokenizeFailedError, match=r"timeout_s=3s and was cancelled") as err:
         _process(data)
-    assert "unfinished tasks: [0] of 2" in str(err.value)
+    # Task 1 may not have finished either on a loaded machine; task 0 never can.
+    assert re.search(r"unfinished tasks: \[0(, 1)?\] of 2", str(err.value)), str(err.value)
 
 
 @pytest.mark.slow
