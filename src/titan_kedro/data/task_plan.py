@@ -91,6 +91,14 @@ class TaskPlan:
     def done_path(self, index: int) -> Path:
         return self.path.parent / f"task-{index:05d}.done"
 
+    def marked_done(self, index: int) -> bool:
+        """Task ``index``'s done marker is there (whatever shards it names)."""
+        return self.done_path(index).is_file()
+
+    def clear_done(self, index: int) -> None:
+        """Remove task ``index``'s marker (before it is run again)."""
+        self.done_path(index).unlink(missing_ok=True)
+
     @property
     def _folder(self) -> str:
         return self.path.parent.relative_to(self.root).as_posix()
@@ -131,7 +139,7 @@ def load_plan(path: str | Path) -> TaskPlan:
     if p.name != PLAN_FILE or p.parent.parent.name != TASKS_FOLDER:
         raise TaskPlanError(f"{p} is not a tokenizing plan (<intermediate>/tasks/<id>/plan.json)")
     try:
-        content = json.loads(p.read_text(encoding="utf-8"))
+        content = _read_json(p)
     except (OSError, ValueError) as err:
         raise TaskPlanError(f"cannot read the plan {p}: {err}; {fix}") from err
     if not isinstance(content, dict) or content.get("format") != _FORMAT:
@@ -163,6 +171,10 @@ def task_sources(plan: TaskPlan, index: int) -> list[ShardFile]:
     ]
 
 
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
 def _keys(sources: Sequence[ShardFile], fingerprint: str) -> list[str]:
     return [shard_key(source.cache_identity(), fingerprint) for source in sources]
 
@@ -174,12 +186,11 @@ def _entry(plan: TaskPlan, index: int, key: str) -> dict[str, Any] | None:
 
 def is_finished(plan: TaskPlan, index: int) -> bool:
     """Task ``index`` wrote its marker for the shards as they are now, and their files are there."""
-    done = plan.done_path(index)
-    if not done.is_file():
+    if not plan.marked_done(index):
         return False
     try:
-        recorded = json.loads(done.read_text(encoding="utf-8")).get("keys")
-    except (OSError, ValueError):
+        recorded = _read_json(plan.done_path(index)).get("keys")
+    except (OSError, ValueError, AttributeError):
         return False
     keys = _keys(task_sources(plan, index), plan.content["tokenizer"]["fingerprint"])
     return recorded == keys and all(_entry(plan, index, key) is not None for key in keys)

@@ -130,7 +130,7 @@ def tokenize_with_torchx(
         f"{total - len(pending)} finished before, running {pending or 'none'}\n"
     )
     for k in pending:  # a stale marker (a shard replaced since) must not count as done
-        plan.done_path(k).unlink(missing_ok=True)
+        plan.clear_done(k)
     if pending:
         _run(data.tokenize, plan, pending, console, poll_s)
     return merge_tasks(plan)
@@ -164,7 +164,7 @@ def _run(
         )  # fmt: skip
         follower.join(10)
         progress.poll(status)
-    failed = [r for r, k in enumerate(pending) if not plan.done_path(k).is_file()]
+    failed = [r for r, k in enumerate(pending) if not plan.marked_done(k)]
     if status is not None and status.state == AppState.SUCCEEDED and not timed_out and not failed:
         return
     reason = (
@@ -206,7 +206,7 @@ class _Progress:
 
     def poll(self, status: AppStatus | None) -> AppStatus | None:
         total = len(self.plan.tasks)
-        done = sum(self.plan.done_path(k).is_file() for k in range(total))
+        done = sum(self.plan.marked_done(k) for k in range(total))
         if done != self.shown:
             self.shown = done
             self.console.write(f"tokenize: {done}/{total} tasks done\n")
