@@ -51,6 +51,14 @@ def test_a_replaced_shard_unfinishes_only_its_task(
     manifest = json.loads((plan.root / "manifest.json").read_text())["shards"]
     assert sorted(manifest) == sorted(e["key"] for e in merged)
 
+    # Another plan (one task) reuses what manifest.json holds: same entries, folders untouched.
+    folders = [plan.root / e["folder"] for e in merged]
+    inodes = [f.stat().st_ino for f in folders]
+    sources = [ShardFile.from_path(p) for p in shards]
+    one = write_plan(plan.root, sources, offline_tokenizer(), SETTING_VALUES, 1)
+    assert one.path != plan.path and run_task(one, 0) == merged
+    assert [f.stat().st_ino for f in folders] == inodes
+
     write_c4_shard(shards[2], 25, seed=9)  # task 1's shard is replaced
     assert [is_finished(plan, k) for k in (0, 1)] == [True, False]
     (redone,) = run_task(plan, 1)

@@ -238,24 +238,38 @@ def run_task(plan: TaskPlan, index: int) -> list[dict[str, Any]]:
     return [entries[key] for key in keys]
 
 
+def record_finished(plan: TaskPlan) -> list[int]:
+    """Record the finished tasks' shards in ``manifest.json``; those tasks, in order.
+
+    After a failed job this keeps their work for any later run, a plan with another
+    ``tasks`` count or the local executor included (both reuse ``manifest.json``).
+    """
+    fingerprint = plan.content["tokenizer"]["fingerprint"]
+    finished, entries = [], []
+    for index in range(len(plan.tasks)):
+        if not is_finished(plan, index):
+            continue
+        found = [_entry(plan, index, k) for k in _keys(task_sources(plan, index), fingerprint)]
+        if all(entry is not None for entry in found):  # none went away since is_finished
+            finished.append(index)
+            entries.extend(entry for entry in found if entry is not None)
+    ShardStore(plan.root).record(entries)
+    return finished
+
+
 def merge_tasks(plan: TaskPlan) -> list[dict[str, Any]]:
     """Every shard's entry in shard order, recorded in ``manifest.json`` (all tasks finished).
 
     Raises:
-        TaskPlanError: A task has not finished.
+        TaskPlanError: A task has not finished; the finished ones are recorded all the same.
     """
-    unfinished = [k for k in range(len(plan.tasks)) if not is_finished(plan, k)]
+    finished = record_finished(plan)
+    unfinished = sorted(set(range(len(plan.tasks))) - set(finished))
     if unfinished:
         raise TaskPlanError(
             f"tasks {unfinished} of {plan.path} have not finished; relaunch to redo them"
         )
     fingerprint = plan.content["tokenizer"]["fingerprint"]
-    entries = []
-    for index in range(len(plan.tasks)):
-        for key in _keys(task_sources(plan, index), fingerprint):
-            entry = _entry(plan, index, key)
-            if entry is None:  # its files went away since is_finished looked
-                raise TaskPlanError(f"task {index}: shard {key} vanished; relaunch to redo it")
-            entries.append(entry)
-    ShardStore(plan.root).record(entries)
-    return entries
+    keys = [k for i in range(len(plan.tasks)) for k in _keys(task_sources(plan, i), fingerprint)]
+    shards = ShardStore(plan.root).manifest()
+    return [shards[key] for key in keys]

@@ -25,7 +25,14 @@ from torchx.specs import AppState, AppStatus, macros
 
 from titan_kedro.config.sections.launch import LOCAL_CWD_SCHEDULER
 from titan_kedro.data.sources import ShardFile
-from titan_kedro.data.task_plan import SETTINGS, TaskPlan, is_finished, merge_tasks, write_plan
+from titan_kedro.data.task_plan import (
+    SETTINGS,
+    TaskPlan,
+    is_finished,
+    merge_tasks,
+    record_finished,
+    write_plan,
+)
 from titan_kedro.data.tokenizer import Tokenizer
 from titan_kedro.launch.appdef import HOST_SCHEDULERS
 from titan_kedro.launch.runner import get_runner
@@ -167,6 +174,7 @@ def _run(
     failed = [r for r, k in enumerate(pending) if not plan.marked_done(k)]
     if status is not None and status.state == AppState.SUCCEEDED and not timed_out and not failed:
         return
+    record_finished(plan)
     reason = (
         f"ran past data.tokenize.timeout_s={tokenize.timeout_s}s and was cancelled"
         if timed_out
@@ -178,8 +186,9 @@ def _run(
     raise TokenizeFailedError(
         redact(
             f"tokenizing job {handle} {reason}; unfinished tasks: {[pending[f] for f in failed]} "
-            f"of {len(plan.tasks)}. Finished tasks are kept: run the same command again to redo "
-            f"only the others.\n--- task {pending[r]} ({shards[0]} … {shards[-1]}) output "
+            f"of {len(plan.tasks)}. Finished tasks are kept (their shards are recorded in "
+            "manifest.json): run the same command again to redo only the others.\n"
+            f"--- task {pending[r]} ({shards[0]} … {shards[-1]}) output "
             f"(last {TAIL_LINES} lines) ---\n{tail}",
             secrets,
         )
