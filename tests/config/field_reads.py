@@ -151,6 +151,8 @@ def branch_reads(folder: Path) -> set[Read]:
     - Fault tolerance: the launcher's lighthouses started and stopped on 127.0.0.1
       (``fault_tolerance`` sizes, join and heartbeat timeouts, the address). The fields
       only a replica group's worker or its restart loop reads are ``FT_RUN_ONLY``.
+    - Tokenizing as a TorchX job: the ``local_cwd`` request of ``data.tokenize`` (plan
+      written, nothing submitted); ``TOKENIZE_RUN_ONLY`` is read while the job runs.
     """
     from titan_kedro.config import build_job_config
     from titan_kedro.config.schema import DataSection
@@ -189,11 +191,36 @@ def branch_reads(folder: Path) -> set[Read]:
             {"fault_tolerance": {"enable": True, "replica_groups": 2, "min_replicas": 1}}
         ).fault_tolerance
         Lighthouses.start(ft).stop()
+        _tokenize_request(folder)
     from titan_kedro.config.schema import FaultToleranceSection
+    from titan_kedro.config.sections.tokenize import TokenizeSection
 
-    return reads | {(_class_key(FaultToleranceSection), name) for name in FT_RUN_ONLY}
+    return (
+        reads
+        | {(_class_key(FaultToleranceSection), name) for name in FT_RUN_ONLY}
+        | {(_class_key(TokenizeSection), name) for name in TOKENIZE_RUN_ONLY}
+    )
 
 
+def _tokenize_request(folder: Path) -> None:
+    from types import SimpleNamespace
+
+    from titan_kedro.config.schema import DataSection
+    from titan_kedro.data.sources import ShardFile
+    from titan_kedro.launch.tokenize_job import tokenize_request
+
+    shard = folder / "c4" / "c4-train.00000-of-00001.json"
+    shard.parent.mkdir(parents=True, exist_ok=True)
+    shard.write_text('{"text": "one document"}\n', encoding="utf-8")
+    tokenize = {"executor": "torchx", "scheduler": "local_cwd", "log_dir": str(folder / "tok")}
+    data = DataSection(intermediate_dir=str(folder / "c4_tokens"), tokenize=tokenize)
+    tokenizer = SimpleNamespace(name="tokenizer", fingerprint="0123")  # a plan needs only these
+    request = tokenize_request(data, [ShardFile.from_path(shard)], tokenizer)  # type: ignore[arg-type]
+    assert "titan_kedro.data.tokenize_task" in request, request
+
+
+TOKENIZE_RUN_ONLY = ("timeout_s",)
+"""Read only while a tokenizing job runs (``tests/launch/test_tokenize_job.py`` runs it)."""
 FT_RUN_ONLY = ("quorum_timeout_s", "step_timeout_s", "max_group_restarts")
 """Read only inside a fault-tolerant run (the worker's Manager, the launcher's restart
 loop): ``tests/ft`` runs those for real, but not under this recording."""

@@ -115,12 +115,20 @@ class ShardWriter:
 class ShardStore:
     """The intermediate folder (``data.intermediate_dir``): shard token files + manifest."""
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, manifest: str = MANIFEST_FILE) -> None:
+        """Open the store.
+
+        Args:
+            root: The intermediate folder; shard folders live in ``root/shards``.
+            manifest: The manifest's path inside ``root``: ``manifest.json``, or a task's own
+                (``data.task_plan``), so tasks writing side by side never share one file.
+        """
         self.root = Path(root)
+        self.manifest_name = manifest
 
     @property
     def manifest_path(self) -> Path:
-        return self.root / MANIFEST_FILE
+        return self.root / self.manifest_name
 
     def manifest(self) -> dict[str, dict[str, Any]]:
         """All recorded shards by key (empty when there is no manifest yet)."""
@@ -170,14 +178,24 @@ class ShardStore:
             "content_hash": writer.content_hash,
             "created_unix": int(time.time()),
         }
-        shards = self.manifest()
-        for old_key, old in list(shards.items()):
-            if old["name"] == entry["name"] and old_key != entry["key"]:
-                shutil.rmtree(self.folder_of(old, key=old_key), ignore_errors=True)
-                del shards[old_key]
-        shards[entry["key"]] = entry
-        write_json_atomic(self.manifest_path, {"format": _FORMAT, "shards": shards})
+        self.record([entry])
         return entry
+
+    def record(self, entries: list[dict[str, Any]]) -> None:
+        """Add committed shards' entries (another manifest's, say) to this manifest.
+
+        An older version of the same source (same name, another key) is dropped with its
+        folder; each entry's own folder is checked to lie in ``root/shards`` first.
+        """
+        shards = self.manifest()
+        for entry in entries:
+            self.folder_of(entry, key=entry["key"])
+            for old_key, old in list(shards.items()):
+                if old["name"] == entry["name"] and old_key != entry["key"]:
+                    shutil.rmtree(self.folder_of(old, key=old_key), ignore_errors=True)
+                    del shards[old_key]
+            shards[entry["key"]] = entry
+        write_json_atomic(self.manifest_path, {"format": _FORMAT, "shards": shards})
 
     def folder_of(self, entry: dict[str, Any], *, key: str | None = None) -> Path:
         """The entry's shard folder, resolved and checked to lie directly under ``root/shards``.

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, StrictInt, field_validator
+from pydantic import Field, StrictInt, field_validator, model_validator
 
 from titan_kedro.config.sections.base import Section
+from titan_kedro.config.sections.tokenize import TORCHX_EXECUTOR, TokenizeSection
 
 
 class JobSection(Section):
@@ -54,6 +55,26 @@ class DataSection(Section):
     """Documents per tokenizer batch."""
     max_documents: StrictInt | None = Field(None, gt=0)
     """Stop after this many documents in total (None: the whole corpus)."""
+    tokenize: TokenizeSection = Field(default_factory=TokenizeSection)
+    """Where the shards are tokenized: this machine's pool, or a TorchX job of many tasks."""
+
+    @model_validator(mode="after")
+    def _tasks_split_local_shards(self) -> DataSection:
+        if self.tokenize.executor != TORCHX_EXECUTOR:
+            return self
+        if self.source != "local":
+            raise ValueError(
+                "data.tokenize.executor: torchx splits local shards into ranges, but "
+                f"data.source is {self.source!r}; set data.source: local (shards under "
+                "data.raw_dir) or data.tokenize.executor: local"
+            )
+        if self.max_documents is not None:
+            raise ValueError(
+                "data.max_documents counts documents across shards, which tasks tokenizing "
+                "shard ranges side by side cannot; set data.max_documents: null, or "
+                "data.tokenize.executor: local"
+            )
+        return self
 
 
 class TokenizerSection(Section):

@@ -6,11 +6,12 @@ import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from titan_kedro.config.schema import DataSection, TokenizerSection, section_from_params
+from titan_kedro.config.sections.tokenize import TORCHX_EXECUTOR
 from titan_kedro.data.packing import PackedSplit, plan_split
 from titan_kedro.data.shard_store import ShardStore
 from titan_kedro.data.shard_tokenizing import tokenize_sources
@@ -18,6 +19,7 @@ from titan_kedro.data.sources import DocumentSource, ShardFile, is_shard_name, s
 from titan_kedro.data.splitting import SPLITS
 from titan_kedro.data.token_store import read_token_metadata
 from titan_kedro.data.tokenizer import build_tokenizer
+from titan_kedro.launch.tokenize_job import tokenize_with_torchx
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,9 @@ def tokenize_documents(
 ) -> dict[str, Any]:
     """Tokenize every source not yet in the intermediate manifest, shard by shard.
 
+    With ``data.tokenize.executor: torchx`` the shards are tokenized by a TorchX job of
+    ``data.tokenize.tasks`` tasks (``launch.tokenize_job``) and merged into the manifest.
+
     Returns:
         ``{"store", "tokenizer", "shards"}``: the intermediate folder, the tokenizer's
         identity and ids, and one manifest entry per source (counts, skips, damage).
@@ -63,16 +68,19 @@ def tokenize_documents(
     cfg = section_from_params(DataSection, data)
     tok = build_tokenizer(section_from_params(TokenizerSection, tokenizer).name_or_path)
     store = ShardStore(cfg.intermediate_dir)
-    entries = tokenize_sources(
-        c4_documents,
-        tok,
-        store,
-        batch_size=cfg.batch_size,
-        num_workers=cfg.num_workers,
-        min_chars=cfg.min_chars,
-        max_bad_fraction=cfg.max_bad_fraction,
-        max_documents=cfg.max_documents,
-    )
+    if cfg.tokenize.executor == TORCHX_EXECUTOR:  # local shards only (DataSection checks)
+        entries = tokenize_with_torchx(cfg, cast(list[ShardFile], c4_documents), tok)
+    else:
+        entries = tokenize_sources(
+            c4_documents,
+            tok,
+            store,
+            batch_size=cfg.batch_size,
+            num_workers=cfg.num_workers,
+            min_chars=cfg.min_chars,
+            max_bad_fraction=cfg.max_bad_fraction,
+            max_documents=cfg.max_documents,
+        )
     return {
         "store": str(store.root),
         "tokenizer": {
