@@ -14,9 +14,11 @@ statistics. Everything else (clipping included) is value-free tensor code, so th
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +83,12 @@ class TrainStep:
     failure_context: Callable[[], tuple[int, Path | None]] = _no_failure_context
     """(completed steps, last good checkpoint) for the non-finite error's message."""
     reads: HostReads = field(default_factory=HostReads)
+    loss_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
+    """Entered around each micro-batch's forward and backward (``loss_parallel`` under
+    tensor parallelism: ``models/tensor_parallel.loss_context``)."""
+    load_group: Any = None
+    """Group the expert loads are summed over (None: ``dp_group``); every rank of the
+    replica group under tensor parallelism, whose ranks route different tokens."""
 
     @property
     def model(self) -> nn.Module:
@@ -131,7 +139,8 @@ class TrainStep:
         }
         if has_moe:
             load = model.expert_load().detach().float().to(self.device)
-            dist.all_reduce(load, group=self.dp_group)
+            load_group = self.dp_group if self.load_group is None else self.load_group
+            dist.all_reduce(load, group=load_group)
             if ft is not None:
                 ft.replica_sum(load)
         if ft is not None and not ft.should_commit():
@@ -166,25 +175,31 @@ class TrainStep:
             start = time.perf_counter()
             inputs, labels = self.next_batch()
             data_time += time.perf_counter() - start
-            with self.mixed_precision():
-                # No name holds the output: the fused loss needs no more of it after its
-                # forward, so it is freed before backward (the plan measures this too).
-                ce = self.loss_fn(
-                    model(inputs, **document_inputs(inputs, self.document_bos)), labels
-                )
-                mtp = mtp_loss(model, self.loss_fn, labels)
-            loss = ce
-            if mtp is not None:
-                loss = loss + mtp_loss_weight(self.config) * mtp
-                sums["mtp"] = sums.get("mtp", torch.zeros((), device=self.device))
-                sums["mtp"] += mtp.detach().float()
-            if "aux" in sums:
-                aux = model.moe_aux_loss()
-                loss = loss + aux
-                sums["aux"] += aux.detach().float()
-            (loss / accum).backward()
-            sums["ce"] += ce.detach().float()
+            with self.loss_context():
+                self._forward_backward(inputs, labels, sums)
         return sums, data_time
+
+    def _forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, sums: dict[str, torch.Tensor]
+    ) -> None:
+        """One micro-batch: forward, the losses added into ``sums``, backward."""
+        model, accum = self.model, self.config.layout.grad_accum_steps
+        with self.mixed_precision():
+            # No name holds the output: the fused loss needs no more of it after its
+            # forward, so it is freed before backward (the plan measures this too).
+            ce = self.loss_fn(model(inputs, **document_inputs(inputs, self.document_bos)), labels)
+            mtp = mtp_loss(model, self.loss_fn, labels)
+        loss = ce
+        if mtp is not None:
+            loss = loss + mtp_loss_weight(self.config) * mtp
+            sums["mtp"] = sums.get("mtp", torch.zeros((), device=self.device))
+            sums["mtp"] += mtp.detach().float()
+        if "aux" in sums:
+            aux = model.moe_aux_loss()
+            loss = loss + aux
+            sums["aux"] += aux.detach().float()
+        (loss / accum).backward()
+        sums["ce"] += ce.detach().float()
 
     def _raise_non_finite(self, loss_value: float, norm_value: float) -> None:
         done, last = self.failure_context()

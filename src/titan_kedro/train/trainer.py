@@ -24,6 +24,7 @@ from titan_kedro.data.token_store import read_token_metadata
 from titan_kedro.ft.identity import data_shard, restarted_group
 from titan_kedro.models.parallel import autocast_dtype, training_dtypes
 from titan_kedro.models.resolve import ResolvedJob
+from titan_kedro.models.tensor_parallel import loss_context, loss_parallel_cross_entropy
 from titan_kedro.runs.folders import run_folder
 from titan_kedro.runs.identity import checkpoint_metadata
 from titan_kedro.tracking.mlflow_logger import MlflowMetricsSink
@@ -31,11 +32,7 @@ from titan_kedro.train.checkpoint.manager import CheckpointManager, ModelState
 from titan_kedro.train.device import env_int, init_process_group, resolve_device, set_cpu_threads
 from titan_kedro.train.documents import masking_bos_id
 from titan_kedro.train.faults import TestHooks
-from titan_kedro.train.fused_loss import (
-    FusedOutputLoss,
-    defer_output_projection,
-    uses_fused_loss,
-)
+from titan_kedro.train.fused_loss import FusedOutputLoss, defer_output_projection, uses_fused_loss
 from titan_kedro.train.hf_init import load_hf_weights
 from titan_kedro.train.metrics import MetricsLogger, memory_metrics, peak_tflops
 from titan_kedro.train.parallel_dims import ParallelDims
@@ -119,6 +116,8 @@ class Trainer:
             ft=self.ft,
             mark_data=self.batches.mark,
             failure_context=lambda: (self.state.step, self.checkpointer.last_saved),
+            loss_context=loss_context(self.parallel_dims.tp),
+            load_group=self.parallel_dims.load_group,
         )
 
     def _init_process(self) -> None:
@@ -159,6 +158,8 @@ class Trainer:
             self.loss_fn = FusedOutputLoss(
                 defer_output_projection(model), compile=cfg.training.compile
             )
+        elif cfg.layout.tp > 1:
+            self.loss_fn = loss_parallel_cross_entropy(self.loss_fn, cfg)
         self.model = self.spec.parallelize_fn(model, self.parallel_dims, cfg)
         self.model.train()
         # Mixed precision once: by FSDP's policy when sharded, else by autocast (one rank).

@@ -1,4 +1,4 @@
-"""Parallelize DeepSeek-V2: activation checkpointing, compile, expert parallelism, FSDP2.
+"""Parallelize DeepSeek-V2: tensor, expert parallelism, activation checkpointing, compile, FSDP2.
 
 Meshes (``titan_kedro.train.parallel_dims``): dense parameters are sharded over
 ``dp_shard`` (plus ``dp_replicate`` for HSDP). With expert parallelism the routed experts
@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from titan_kedro.models.deepseek_v2.expert_parallel import shard_experts
 from titan_kedro.models.deepseek_v2.moe import GroupedExperts
+from titan_kedro.models.deepseek_v2.tensor_parallel import apply_deepseek_tensor_parallel
 from titan_kedro.models.parallel import apply_ac, apply_compile, apply_fsdp, training_dtypes
 
 
@@ -78,7 +79,8 @@ def _scale_expert_gradients(experts: FSDPModule, parallel_dims: Any) -> None:
 
 
 def parallelize_deepseek_v2(model: nn.Module, parallel_dims: Any, job_config: Any) -> nn.Module:
-    """Expert parallelism, activation checkpointing, compile and FSDP2 for DeepSeek-V2.
+    """Tensor and expert parallelism, activation checkpointing, compile and FSDP2 (2-D
+    with TP) for DeepSeek-V2.
 
     Args:
         model: The model with identical, initialised parameters on every rank.
@@ -91,6 +93,8 @@ def parallelize_deepseek_v2(model: nn.Module, parallel_dims: Any, job_config: An
         ``titan_kedro.models.parallel``).
     """
     before_block = None
+    if parallel_dims.tp > 1:
+        apply_deepseek_tensor_parallel(model, parallel_dims.tp_mesh)
     if parallel_dims.ep > 1:
         if apply_expert_parallel(model, parallel_dims) == 0:
             raise ValueError(
