@@ -145,6 +145,24 @@ def apply_block_plans(
         parallelize_module(block, tp_mesh, plan_of(block))
 
 
+def reduce_partial_gradients(model: nn.Module) -> None:
+    """Sum the ``Partial`` gradients of replicated ``DTensor`` parameters over ``tp`` as they
+    accumulate, for a model FSDP does not wrap (FSDP's reduction does it otherwise).
+
+    A sequence-parallel norm's weight sees only this rank's sequence shard, so its gradient
+    comes out ``Partial``; clipping and the optimizer need it whole (``Replicate``).
+    """
+
+    def reduce(param: torch.Tensor) -> None:
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            param.grad = grad.redistribute(grad.device_mesh, param.placements)
+
+    for param in model.parameters():
+        if isinstance(param, DTensor) and param.requires_grad:
+            param.register_post_accumulate_grad_hook(reduce)
+
+
 def loss_parallel_cross_entropy(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], cfg: Any = None
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
