@@ -119,6 +119,9 @@ def test_tensor_parallel_layouts_train_like_one_process_and_resume_without_tp(
     assert len({round(row["loss"], 5) for row in reference["deepseek"]}) == len(STEPS)
     for model, job in (("deepseek", deepseek_tp), ("llama", llama_tp)):
         _assert_same(read_metrics(job["job"]["dump_folder"]), reference[model], KEYS[model], model)
+    # Throughput per rank: a TP 2 group shares its 4 micro-batches × 2 × 32 tokens per step.
+    for row in read_metrics(llama_tp["job"]["dump_folder"]):
+        assert row["tps"] * row["step_time_s"] == pytest.approx(4 * 2 * 32 / 2)
     _assert_same(
         read_metrics(resumed["job"]["dump_folder"]),
         reference["deepseek"][3:],

@@ -14,11 +14,9 @@ statistics. Everything else (clipping included) is value-free tensor code, so th
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titan_kedro.models.tensor_parallel import loss_context
 from titan_kedro.train.documents import document_inputs
 from titan_kedro.train.grad_clip import clip_grad_norm_
 from titan_kedro.train.metrics import expert_load_stats
@@ -83,9 +82,6 @@ class TrainStep:
     failure_context: Callable[[], tuple[int, Path | None]] = _no_failure_context
     """(completed steps, last good checkpoint) for the non-finite error's message."""
     reads: HostReads = field(default_factory=HostReads)
-    loss_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
-    """Entered around each micro-batch's forward and backward (``loss_parallel`` under
-    tensor parallelism: ``models/tensor_parallel.loss_context``)."""
     load_group: Any = None
     """Group the expert loads are summed over (None: ``dp_group``); every rank of the
     replica group under tensor parallelism, whose ranks route different tokens."""
@@ -175,7 +171,8 @@ class TrainStep:
             start = time.perf_counter()
             inputs, labels = self.next_batch()
             data_time += time.perf_counter() - start
-            with self.loss_context():
+            # loss_parallel under tensor parallelism: the logits stay split over the vocabulary.
+            with loss_context(self.config.layout.tp)():
                 self._forward_backward(inputs, labels, sums)
         return sums, data_time
 

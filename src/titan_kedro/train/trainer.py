@@ -24,7 +24,7 @@ from titan_kedro.data.token_store import read_token_metadata
 from titan_kedro.ft.identity import data_shard, restarted_group
 from titan_kedro.models.parallel import autocast_dtype, training_dtypes
 from titan_kedro.models.resolve import ResolvedJob
-from titan_kedro.models.tensor_parallel import loss_context, loss_parallel_cross_entropy
+from titan_kedro.models.tensor_parallel import loss_parallel_cross_entropy
 from titan_kedro.runs.folders import run_folder
 from titan_kedro.runs.identity import checkpoint_metadata
 from titan_kedro.tracking.mlflow_logger import MlflowMetricsSink
@@ -116,7 +116,6 @@ class Trainer:
             ft=self.ft,
             mark_data=self.batches.mark,
             failure_context=lambda: (self.state.step, self.checkpointer.last_saved),
-            loss_context=loss_context(self.parallel_dims.tp),
             load_group=self.parallel_dims.load_group,
         )
 
@@ -225,11 +224,12 @@ class Trainer:
         restore_per_rank(self.batches, state, same_world=same_world, reseed=reseed)
 
     def _build_throughput(self) -> None:
-        """FLOPs per token and tokens per step, for the throughput metrics."""
+        """FLOPs per token and tokens per step (per rank: a TP group shares its tokens)."""
         seq_len = self.cfg.training.seq_len
         self.flops_per_token = self.spec.training_flops_per_token(self.model_args, seq_len)
         layout = self.parallel_dims.layout
-        self.tokens_per_step_local = layout.local_batch_size * seq_len * layout.grad_accum_steps
+        per_group = layout.local_batch_size * seq_len * layout.grad_accum_steps
+        self.tokens_per_step_local = per_group // layout.tp
         self.tokens_per_step_global = layout.global_batch_size * seq_len
 
     def _build_metrics(self) -> None:
