@@ -2,14 +2,14 @@
 continues without it.
 
 DeepSeek-V2 (MLA with q-LoRA, a dense block, MoE blocks with shared experts, the balance
-loss and the routing bias) on 4 ranks as TP 2 × FSDP 2 with EP 2 folded onto the TP ranks,
+loss and the routing bias, two blocks recomputed in backward) on 4 ranks as TP 2 × FSDP 2 with EP 2 folded onto the TP ranks,
 and Llama 3 (GQA) as TP 2 on 2 ranks, must give the losses, gradient norms and auxiliary
 losses of one process that accumulates the same global batch, within 1e-5 over 6 steps
 in float32 (only the reduction order differs). The DeepSeek run's step-3 checkpoint,
 continued by one process (TP 1), must give the uninterrupted reference's steps 4-6.
 
 The three one-process runs share one Python process (the trainer leaves its process group
-when it closes), so the test starts three processes groups in all.
+when it closes), so the test starts three process groups in all.
 """
 
 from __future__ import annotations
@@ -50,11 +50,14 @@ MODELS: dict[str, dict[str, Any]] = {
 
 
 def _job(root: Path, tokens: Path, model: str, name: str, **sections: Any) -> dict[str, Any]:
+    training = {"steps": len(STEPS), "global_batch_size": 8, "max_norm": 0.5}
+    if model == "deepseek":  # recomputes blocks 0 (dense) and 2 (MoE): same maths
+        training["activation_checkpoint"] = "selective"
     return tiny_job(
         root / f"{model}_{name}",
         tokens,
         model={"custom_model_path": None, **MODELS[model]},
-        training={"steps": len(STEPS), "global_batch_size": 8, "max_norm": 0.5},
+        training=training,
         **{"checkpoint": {"enable": False}, **sections},
     )
 
