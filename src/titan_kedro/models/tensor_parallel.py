@@ -17,10 +17,13 @@ Layout of activations (Megatron-LM's sequence parallelism, as in torchtitan):
   computes the cross-entropy without gathering them (``loss_parallel``).
 
 Parameters of the split projections are ``DTensor`` on the ``tp`` mesh (``Shard`` over
-rows or columns); FSDP2 then shards them over the data-parallel mesh as well (2-D).
-Parameters left whole (norms outside the residual, the MLA down-projections) are
-replicated: their gradients come out identical on every ``tp`` rank because every
-column-parallel input sums its gradient over ``tp`` (the backward of the all-gather).
+rows or columns); FSDP2 then shards them over the data-parallel mesh as well (2-D). The
+sequence-parallel norms are ``Replicate`` ``DTensor``: their gradients come out
+``Partial`` (one sequence shard each) and are summed by FSDP's reduction, or by
+:func:`reduce_partial_gradients` without FSDP. Plain parameters used on the gathered
+activations (the MLA down-projections and their norms) get the same, whole gradient on
+every ``tp`` rank, because a column-parallel layer all-reduces its input's gradient (a
+partial sum over this rank's columns) over ``tp``.
 
 The fused output loss (``train/fused_loss``) multiplies a whole output weight chunk by
 chunk; under TP that weight is split over the vocabulary, so the trainer uses this
@@ -80,11 +83,6 @@ def check_tensor_parallel(cfg: Any, spec: Any, args: Any) -> None:
                 f"parallelism.tensor_parallel_degree={tp} must divide {name}={width} "
                 f"(tensor parallelism splits it over the ranks); pick one of {divisors}"
             )
-
-
-def tp_mesh_of(parallel_dims: Any) -> DeviceMesh | None:
-    """The 1-D ``tp`` mesh, or None without tensor parallelism."""
-    return parallel_dims.tp_mesh if parallel_dims.tp > 1 else None
 
 
 def apply_tensor_parallel_ends(model: nn.Module, tp_mesh: DeviceMesh) -> None:

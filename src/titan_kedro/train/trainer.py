@@ -24,7 +24,7 @@ from titan_kedro.data.token_store import read_token_metadata
 from titan_kedro.ft.identity import data_shard, restarted_group
 from titan_kedro.models.parallel import autocast_dtype, training_dtypes
 from titan_kedro.models.resolve import ResolvedJob
-from titan_kedro.models.tensor_parallel import loss_parallel_cross_entropy
+from titan_kedro.models.tensor_parallel import loss_context, loss_parallel_cross_entropy
 from titan_kedro.runs.folders import run_folder
 from titan_kedro.runs.identity import checkpoint_metadata
 from titan_kedro.tracking.mlflow_logger import MlflowMetricsSink
@@ -290,7 +290,7 @@ class Trainer:
 
         Every rank scores its share of the batches; the mean is over all of them.
         """
-        with self.mixed_precision():
+        with self.mixed_precision(), loss_context(self.cfg.layout.tp)():
             val_loss, _ = mean_loss(
                 self.model,
                 self._validation_loader(),
