@@ -2,14 +2,15 @@
 continues without it.
 
 DeepSeek-V2 (MLA with q-LoRA, a dense block, MoE blocks with shared experts, the balance
-loss and the routing bias, two blocks recomputed in backward) on 4 ranks as TP 2 × FSDP 2 with EP 2 folded onto the TP ranks,
-and Llama 3 (GQA) as TP 2 on 2 ranks, must give the losses, gradient norms and auxiliary
-losses of one process that accumulates the same global batch, within 1e-5 over 6 steps
-in float32 (only the reduction order differs). The DeepSeek run's step-3 checkpoint,
+loss and the routing bias, two blocks recomputed in backward) on 4 ranks as TP 2 × FSDP 2
+with EP 2 folded onto the TP ranks, and Llama 3 (GQA) as TP 2 on 2 ranks, must give the
+losses, gradient norms, auxiliary and validation losses of one process that accumulates
+the same global batch, within 1e-5 over 6 steps in float32 (only the reduction order
+differs). The DeepSeek run's step-3 checkpoint,
 continued by one process (TP 1), must give the uninterrupted reference's steps 4-6.
 
-The three one-process runs share one Python process (the trainer leaves its process group
-when it closes), so the test starts three process groups in all.
+DeepSeek's one-process runs (the reference and the resume) share one Python process (the
+trainer leaves its process group when it closes).
 """
 
 from __future__ import annotations
@@ -97,11 +98,20 @@ def _assert_same(ours: list[dict], theirs: list[dict], keys: tuple[str, ...], wh
             assert mine[key] == pytest.approx(reference[key], rel=1e-5), (what, mine["step"], key)
 
 
-def test_tensor_parallel_layouts_train_like_one_process_and_resume_without_tp(
+def _reference(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """The metrics rows of a one-process run, checked to train every step."""
+    rows = read_metrics(job["job"]["dump_folder"])
+    assert [row["step"] for row in rows] == STEPS
+    # The losses really change (the comparison would be empty otherwise).
+    assert len({round(row["loss"], 5) for row in rows}) == len(STEPS)
+    return rows
+
+
+def test_deepseek_tp2_fsdp2_ep2_trains_like_one_process_and_resumes_on_tp1(
     tmp_path: Path,
 ) -> None:
     tokens = write_token_dir(tmp_path / "tokens", n_train=4_000)
-    deepseek_tp = _job(
+    parallel = _job(
         tmp_path,
         tokens,
         "deepseek",
@@ -109,31 +119,34 @@ def test_tensor_parallel_layouts_train_like_one_process_and_resume_without_tp(
         parallelism={"tensor_parallel_degree": 2, "expert_parallel_degree": 2},
         checkpoint={"interval": 3},
     )
-    run_worker(deepseek_tp, nproc=4, timeout_s=300)
-    llama_tp = _job(tmp_path, tokens, "llama", "tp2", parallelism={"tensor_parallel_degree": 2})
-    run_worker(llama_tp, nproc=2, timeout_s=300)
-
+    run_worker(parallel, nproc=4, timeout_s=300)
+    one = _job(tmp_path, tokens, "deepseek", "one")
     resumed = _job(tmp_path, tokens, "deepseek", "resumed_tp1", checkpoint={"resume": "latest"})
-    step_3 = Path(deepseek_tp["checkpoint"]["folder"]) / "step-3"
+    step_3 = Path(parallel["checkpoint"]["folder"]) / "step-3"
     shutil.copytree(step_3, Path(resumed["checkpoint"]["folder"]) / "step-3")
-    references = {model: _job(tmp_path, tokens, model, "one") for model in MODELS}
-    _one_process([*references.values(), resumed])
+    _one_process([one, resumed])
 
-    reference = {
-        model: read_metrics(job["job"]["dump_folder"]) for model, job in references.items()
-    }
-    assert [row["step"] for row in reference["deepseek"]] == STEPS
-    # The losses really move (the comparison would be empty otherwise).
-    assert len({round(row["loss"], 5) for row in reference["deepseek"]}) == len(STEPS)
-    assert "val_loss" in reference["llama"][-1]
-    for model, job in (("deepseek", deepseek_tp), ("llama", llama_tp)):
-        _assert_same(read_metrics(job["job"]["dump_folder"]), reference[model], KEYS[model], model)
-    # Throughput per rank: a TP 2 group shares its 4 micro-batches × 2 × 32 tokens per step.
-    for row in read_metrics(llama_tp["job"]["dump_folder"]):
-        assert row["tps"] * row["step_time_s"] == pytest.approx(4 * 2 * 32 / 2)
+    reference = _reference(one)
+    _assert_same(read_metrics(parallel["job"]["dump_folder"]), reference, KEYS["deepseek"], "TP")
     _assert_same(
         read_metrics(resumed["job"]["dump_folder"]),
-        reference["deepseek"][3:],
+        reference[3:],
         KEYS["deepseek"],
         "TP 2 checkpoint resumed on TP 1",
     )
+
+
+def test_llama3_tp2_trains_and_validates_like_one_process(tmp_path: Path) -> None:
+    tokens = write_token_dir(tmp_path / "tokens", n_train=4_000)
+    parallel = _job(tmp_path, tokens, "llama", "tp2", parallelism={"tensor_parallel_degree": 2})
+    run_worker(parallel, nproc=2, timeout_s=300)
+    one = _job(tmp_path, tokens, "llama", "one")
+    _one_process([one])
+
+    reference = _reference(one)
+    assert "val_loss" in reference[-1]
+    rows = read_metrics(parallel["job"]["dump_folder"])
+    _assert_same(rows, reference, KEYS["llama"], "TP")
+    # Throughput per rank: a TP 2 group shares its 4 micro-batches × 2 × 32 tokens per step.
+    for row in rows:
+        assert row["tps"] * row["step_time_s"] == pytest.approx(4 * 2 * 32 / 2)

@@ -167,7 +167,7 @@ def loss_parallel_cross_entropy(
     """``loss_fn`` on vocabulary-sharded logits, returned as a plain (replicated) scalar.
 
     It must run, forward and backward, inside :func:`loss_context` (``loss_parallel``):
-    the training step enters it once around each micro-batch (entering it twice would
+    the training step enters it once around its micro-batches (entering it twice would
     switch the loss-parallel kernels off at the inner exit, before backward). With
     ``cfg``'s ``training.fused_loss`` on, says why that loss is not used.
     """

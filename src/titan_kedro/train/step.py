@@ -116,7 +116,10 @@ class TrainStep:
         if has_moe:
             model.reset_expert_load()
         self.optimizers.zero_grad()
-        sums, data_time = self._micro_batches()
+        # Under tensor parallelism forward and backward run in loss_parallel (the logits
+        # stay split over the vocabulary).
+        with loss_context(self.config.layout.tp)():
+            sums, data_time = self._micro_batches()
         accum = self.config.layout.grad_accum_steps
         params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
         if ft is not None:
@@ -171,32 +174,25 @@ class TrainStep:
             start = time.perf_counter()
             inputs, labels = self.next_batch()
             data_time += time.perf_counter() - start
-            # loss_parallel under tensor parallelism: the logits stay split over the vocabulary.
-            with loss_context(self.config.layout.tp)():
-                self._forward_backward(inputs, labels, sums)
+            with self.mixed_precision():
+                # No name holds the output: the fused loss needs no more of it after its
+                # forward, so it is freed before backward (the plan measures this too).
+                ce = self.loss_fn(
+                    model(inputs, **document_inputs(inputs, self.document_bos)), labels
+                )
+                mtp = mtp_loss(model, self.loss_fn, labels)
+            loss = ce
+            if mtp is not None:
+                loss = loss + mtp_loss_weight(self.config) * mtp
+                sums["mtp"] = sums.get("mtp", torch.zeros((), device=self.device))
+                sums["mtp"] += mtp.detach().float()
+            if "aux" in sums:
+                aux = model.moe_aux_loss()
+                loss = loss + aux
+                sums["aux"] += aux.detach().float()
+            (loss / accum).backward()
+            sums["ce"] += ce.detach().float()
         return sums, data_time
-
-    def _forward_backward(
-        self, inputs: torch.Tensor, labels: torch.Tensor, sums: dict[str, torch.Tensor]
-    ) -> None:
-        """One micro-batch: forward, the losses added into ``sums``, backward."""
-        model, accum = self.model, self.config.layout.grad_accum_steps
-        with self.mixed_precision():
-            # No name holds the output: the fused loss needs no more of it after its
-            # forward, so it is freed before backward (the plan measures this too).
-            ce = self.loss_fn(model(inputs, **document_inputs(inputs, self.document_bos)), labels)
-            mtp = mtp_loss(model, self.loss_fn, labels)
-        loss = ce
-        if mtp is not None:
-            loss = loss + mtp_loss_weight(self.config) * mtp
-            sums["mtp"] = sums.get("mtp", torch.zeros((), device=self.device))
-            sums["mtp"] += mtp.detach().float()
-        if "aux" in sums:
-            aux = model.moe_aux_loss()
-            loss = loss + aux
-            sums["aux"] += aux.detach().float()
-        (loss / accum).backward()
-        sums["ce"] += ce.detach().float()
 
     def _raise_non_finite(self, loss_value: float, norm_value: float) -> None:
         done, last = self.failure_context()
