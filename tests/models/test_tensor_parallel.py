@@ -16,11 +16,11 @@ from titan_kedro.train.fused_loss import uses_fused_loss
 TINY_MODEL = Path(__file__).parents[1] / "train" / "tiny_model.py"
 
 
-def _raw(name: str, tp: int, ranks: int, **model: Any) -> dict[str, Any]:
+def _raw(name: str, tp: int, ranks: int, ep: int = 1, **model: Any) -> dict[str, Any]:
     return {
         "model": {"name": name, **model},
         "launch": {"nproc_per_node": ranks},
-        "parallelism": {"tensor_parallel_degree": tp},
+        "parallelism": {"tensor_parallel_degree": tp, "expert_parallel_degree": ep},
     }
 
 
@@ -38,19 +38,26 @@ def _raw(name: str, tp: int, ranks: int, **model: Any) -> dict[str, Any]:
         (_raw("llama3", 2, 2, overrides={"vocab_size": 513}), r"model vocab_size=513"),
         # DeepSeek-V2's debugmodel: 8 heads; its shared experts are 2 × 256 wide.
         (
-            _raw("deepseek_v2", 4, 4, overrides={"intermediate_size": 1022}),
+            _raw("deepseek_v2", 4, 4, ep=4, overrides={"intermediate_size": 1022}),
             r"=4 must divide model intermediate_size=1022",
         ),
         (
             _raw(
-                "deepseek_v2", 4, 4, overrides={"moe_intermediate_size": 10, "n_shared_experts": 1}
+                "deepseek_v2",
+                4,
+                4,
+                ep=4,
+                overrides={"moe_intermediate_size": 10, "n_shared_experts": 1},
             ),
             r"model moe_intermediate_size × n_shared_experts=10",
         ),
         (
-            _raw("deepseek_v3", 2, 2, mtp_depth=1),
+            _raw("deepseek_v3", 2, 2, ep=2, mtp_depth=1),
             r"tensor_parallel_degree=2 with model.mtp_depth=1",
         ),
+        # The TP ranks route different tokens: EP must take them all in.
+        (_raw("deepseek_v2", 2, 4), r"expert_parallel_degree=1 with tensor_parallel_degree=2"),
+        (_raw("deepseek_v2", 4, 8, ep=2), r"expert_parallel_degree=2 .* multiple of 4"),
         ({**_raw("llama3", 4, 4), "training": {"seq_len": 30}}, r"training\.seq_len=30"),
         (
             {
@@ -69,7 +76,9 @@ def test_a_degree_the_model_cannot_split_is_refused_naming_the_fix(
 
 
 def test_a_degree_that_splits_every_width_resolves_and_leaves_the_fused_loss_off() -> None:
-    resolved = resolve_job_config({**_raw("deepseek_v2", 2, 4), "training": {"fused_loss": True}})
+    resolved = resolve_job_config(
+        {**_raw("deepseek_v2", 2, 4, ep=2), "training": {"fused_loss": True}}
+    )
     layout = resolved.config.layout
     assert (layout.tp, layout.dp_shard, layout.dp_degree) == (2, 2, 2)
     assert not uses_fused_loss(resolved.config, resolved.spec, _bias_free_output())

@@ -105,8 +105,8 @@ class ParallelismSection(Section):
     many ranks (the innermost mesh dimension; put them on one node), and the residual
     stream between blocks is split along the sequence. Must divide the world size, the
     model's heads and MLP widths, its vocabulary and ``training.seq_len`` (checked before
-    any worker starts). Routed experts stay on expert parallelism, which may borrow these
-    ranks. 1: none."""
+    any worker starts). Routed experts stay on expert parallelism, which borrows these
+    ranks (for a MoE model ``expert_parallel_degree`` must be a multiple of this). 1: none."""
 
 
 class FaultToleranceSection(Section):

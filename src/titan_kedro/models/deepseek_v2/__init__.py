@@ -122,6 +122,13 @@ def validate_config(job_config: Any, args: DeepSeekV2ModelArgs) -> None:
             f"n_routed_experts={args.n_routed_experts}; pick a divisor of it"
         )
     tp = job_config.layout.tp
+    if tp > 1 and ep % tp and args.n_moe_layers:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree={ep} with tensor_parallel_degree={tp}: the "
+            "tensor-parallel ranks route different tokens (sequence parallelism), so each "
+            "expert-parallel group must hold whole TP groups; set expert_parallel_degree to "
+            f"a multiple of {tp} that divides the shard degree × {tp}"
+        )
     if tp > 1 and getattr(args, "mtp_depth", 0):
         raise ValueError(
             f"parallelism.tensor_parallel_degree={tp} with model.mtp_depth="
