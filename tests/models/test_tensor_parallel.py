@@ -59,6 +59,7 @@ def _raw(name: str, tp: int, ranks: int, ep: int = 1, **model: Any) -> dict[str,
         (_raw("deepseek_v2", 2, 4), r"expert_parallel_degree=1 with tensor_parallel_degree=2"),
         (_raw("deepseek_v2", 4, 8, ep=2), r"expert_parallel_degree=2 .* multiple of 4"),
         ({**_raw("llama3", 4, 4), "training": {"seq_len": 30}}, r"training\.seq_len=30"),
+        ({**_raw("llama3", 2, 2), "training": {"compile": True}}, r"training\.compile with"),
         (
             {
                 **_raw("tiny_dense", 2, 2, custom_model_path=str(TINY_MODEL)),

@@ -64,7 +64,8 @@ def check_tensor_parallel(cfg: Any, spec: Any, args: Any) -> None:
 
     Raises:
         ValueError: Naming ``parallelism.tensor_parallel_degree``, the width it does not
-            divide and the degrees that would.
+            divide and the degrees that would; or ``training.compile``, not supported
+            with TP yet.
     """
     tp = cfg.layout.tp
     if tp == 1:
@@ -74,6 +75,13 @@ def check_tensor_parallel(cfg: Any, spec: Any, args: Any) -> None:
             f"parallelism.tensor_parallel_degree={tp}: model '{spec.name}' has no "
             "tensor-parallel plan (its TrainSpec's tensor_parallel_widths is None); set "
             "tensor_parallel_degree: 1 and shard with FSDP (data_parallel_shard_degree)"
+        )
+    if cfg.training.compile:
+        raise ValueError(
+            f"training.compile with parallelism.tensor_parallel_degree={tp}: compiled blocks "
+            "between the tensor-parallel embedding and output fail in backward (a block's "
+            "input gradient reaches DTensor's redistribution as a plain tensor, torch 2.13); "
+            "set training.compile: false, or tensor_parallel_degree: 1"
         )
     widths = {**spec.tensor_parallel_widths(args), "training.seq_len": cfg.training.seq_len}
     for name, width in widths.items():
