@@ -232,6 +232,7 @@ def test_deepseek_v2_lite_ep8_params_are_an_eighth_of_the_model() -> None:
     assert plan["layout"] == {
         "dp_replicate": 1,
         "dp_shard": 8,
+        "tp": 1,
         "ep": 8,
         "dp_shard_mod_ep": 1,
         "grad_accum_steps": 1,

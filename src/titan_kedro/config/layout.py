@@ -11,8 +11,10 @@ global batch. Two data-parallel numbers have two names:
 - ``data_ranks``: every rank that reads different data (``dp_degree × replica_groups``);
   the global batch is ``local_batch_size × data_ranks × grad_accum_steps``.
 
-Pipeline and tensor parallelism, when they land, add their degrees here (the world of
-one group is then ``pp × dp_degree × tp``).
+Tensor parallelism (``tp``) is the innermost degree: the world of one group is
+``dp_degree × tp`` (pipeline parallelism adds ``pp`` in front); the ``tp`` ranks of a
+data-parallel rank read the same batch. Expert parallelism borrows from ``dp_shard × tp``
+(torchtitan's rule), so ``ep`` must divide that product.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class Layout:
     """Samples per rank per micro-batch (``training.local_batch_size``)."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step on each rank."""
+    tp: int = 1
+    """Tensor-parallel degree (``parallelism.tensor_parallel_degree``; innermost)."""
 
     def __post_init__(self) -> None:
         degrees = {
@@ -53,22 +57,25 @@ class Layout:
             "replica_groups": self.replica_groups,
             "local_batch_size": self.local_batch_size,
             "grad_accum_steps": self.grad_accum_steps,
+            "tp": self.tp,
         }
         small = {name: value for name, value in degrees.items() if value < 1}
         if small:
             raise ValueError(f"layout degrees must be ≥ 1, got {small}")
-        if self.dp_replicate * self.dp_shard != self.world_size:
+        if self.dp_replicate * self.dp_shard * self.tp != self.world_size:
+            tensor = f" × tensor {self.tp}" if self.tp > 1 else ""
             raise ValueError(
-                f"parallelism: replicate {self.dp_replicate} × shard {self.dp_shard} = "
-                f"{self.dp_replicate * self.dp_shard}, but the world size is {self.world_size} "
-                "(launch.nproc_per_node × launch.nnodes); set data_parallel_shard_degree: -1 "
-                "or make the product equal the world size"
+                f"parallelism: replicate {self.dp_replicate} × shard {self.dp_shard}{tensor} "
+                f"= {self.dp_replicate * self.dp_shard * self.tp}, but the world size "
+                f"is {self.world_size} (launch.nproc_per_node × launch.nnodes); set "
+                "data_parallel_shard_degree: -1 or make the product equal the world size"
             )
-        if self.dp_shard % self.ep:
+        if (self.dp_shard * self.tp) % self.ep:
             raise ValueError(
                 f"parallelism.expert_parallel_degree={self.ep} must divide the data-parallel "
-                f"shard degree {self.dp_shard} (expert parallelism borrows its ranks from FSDP "
-                "sharding); pick a divisor of it"
+                f"shard degree {self.dp_shard} × tensor-parallel degree {self.tp} = "
+                f"{self.dp_shard * self.tp} (expert parallelism borrows its ranks from FSDP "
+                "sharding and tensor parallelism); pick a divisor of it"
             )
 
     @classmethod
@@ -82,6 +89,7 @@ class Layout:
         replica_groups: int = 1,
         local_batch_size: int = 1,
         global_batch_size: int | None = None,
+        tp: int = 1,
     ) -> Layout:
         """Resolve ``dp_shard = -1`` and the accumulation steps, then validate.
 
@@ -94,27 +102,36 @@ class Layout:
             local_batch_size: Samples per rank per micro-batch.
             global_batch_size: Samples per optimizer step over every data rank; None: no
                 accumulation.
+            tp: Tensor-parallel degree.
 
         Raises:
             ValueError: Naming the config key at fault and how to fix it.
         """
+        if tp < 1 or world_size % tp:
+            raise ValueError(
+                f"parallelism.tensor_parallel_degree={tp} does not divide the world size "
+                f"{world_size} (launch.nproc_per_node × launch.nnodes); pick a divisor of "
+                f"{world_size}, or change the number of ranks"
+            )
         if dp_shard == -1:
-            if dp_replicate < 1 or world_size % dp_replicate:
+            if dp_replicate < 1 or (world_size // tp) % dp_replicate:
                 raise ValueError(
                     f"parallelism.data_parallel_replicate_degree={dp_replicate} does not divide "
-                    f"the world size {world_size} (launch.nproc_per_node × launch.nnodes); pick "
-                    f"a divisor of {world_size}"
+                    f"the world size {world_size} (launch.nproc_per_node × launch.nnodes) "
+                    f"divided by parallelism.tensor_parallel_degree={tp}; pick a divisor of "
+                    f"{world_size // tp}"
                 )
-            dp_shard = world_size // dp_replicate
+            dp_shard = world_size // (dp_replicate * tp)
         accum = 1
         if global_batch_size is not None:
-            data_ranks = world_size * replica_groups
+            data_ranks = world_size // tp * replica_groups
             per_micro_batch = local_batch_size * data_ranks
             if per_micro_batch < 1 or global_batch_size % per_micro_batch:
                 raise ValueError(
                     f"training.global_batch_size={global_batch_size} must be a multiple of "
                     f"training.local_batch_size={local_batch_size} × data ranks {data_ranks} "
-                    f"(world size {world_size} × replica groups {replica_groups})"
+                    f"(world size {world_size} / tensor parallel {tp} × replica groups "
+                    f"{replica_groups})"
                 )
             accum = global_batch_size // per_micro_batch
         return cls(
@@ -125,6 +142,7 @@ class Layout:
             replica_groups=replica_groups,
             local_batch_size=local_batch_size,
             grad_accum_steps=accum,
+            tp=tp,
         )
 
     @classmethod
@@ -139,6 +157,7 @@ class Layout:
             replica_groups=ft.replica_groups if ft.enable else 1,
             local_batch_size=training.local_batch_size,
             global_batch_size=training.global_batch_size,
+            tp=parallelism.tensor_parallel_degree,
         )
 
     @property
@@ -153,8 +172,8 @@ class Layout:
 
     @property
     def dp_shard_mod_ep(self) -> int:
-        """FSDP degree of expert parameters (the shard ranks left over by EP)."""
-        return self.dp_shard // self.ep
+        """FSDP degree of expert parameters (the shard × tensor ranks left over by EP)."""
+        return self.dp_shard * self.tp // self.ep
 
     @property
     def group_batch_size(self) -> int:

@@ -71,6 +71,11 @@ class TrainSpec:
     """Job-config section → pydantic model of extra fields this family adds."""
     validate_config_fn: Callable[[Any, Any], None] | None = None
     """``validate_config_fn(job_config, model_args)`` raises ValueError on impossible combos."""
+    tensor_parallel_widths: Callable[[Any], Mapping[str, int]] | None = None
+    """``tensor_parallel_widths(model_args)``: each width tensor parallelism splits (heads,
+    MLP hidden widths, vocabulary), by the name a message shows; ``parallelize_fn`` then
+    applies TP over the mesh's ``tp`` dimension. None: no TP plan, and
+    ``parallelism.tensor_parallel_degree`` > 1 is refused (``models/tensor_parallel``)."""
 
     def training_flops_per_token(self, args: Any, seq_len: int) -> float:
         """The spec's ``flops_per_token(args, seq_len)`` as a float; what every reader calls.

@@ -41,6 +41,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_flatten
 
 from titan_kedro.models.parallel import autocast_dtype
+from titan_kedro.models.tensor_parallel import loss_parallel_cross_entropy
 from titan_kedro.plan.known_values import KnownValues
 from titan_kedro.plan.roofline import RooflineCounter, RooflineTotals
 from titan_kedro.plan.trackers import (
@@ -203,6 +204,8 @@ def measure_step(
         model = build_model(spec, resolved.model_args, cfg.job.seed, torch.device("cpu"))
     fused = uses_fused_loss(cfg, spec, model)
     loss_fn = FusedOutputLoss(defer_output_projection(model)) if fused else spec.build_loss_fn(cfg)
+    if cfg.layout.tp > 1 and not fused:  # as the trainer: logits stay split over the vocabulary
+        loss_fn = loss_parallel_cross_entropy(loss_fn)
     masking = cfg.training.document_masking and takes_document_ids(model)
     blocks = dict(model.layers.items())
     # Fake: sharded on the meta device, fast at any world size; storage comes below.
@@ -238,6 +241,7 @@ def measure_step(
             FAKE_BOS_ID if masking else None,
             autocast,
             reads=AssumedFinite() if fake else HostReads(),
+            load_group=parallel_dims.load_group,
         )
         inputs_seen: dict[str, int] = {}
         values = KnownValues() if fake else nullcontext()

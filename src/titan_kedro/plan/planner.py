@@ -218,6 +218,7 @@ def _layout(dims: ParallelDims, grad_accum_steps: int) -> dict[str, int]:
     return {
         "dp_replicate": dims.dp_replicate,
         "dp_shard": dims.dp_shard,
+        "tp": dims.tp,
         "ep": dims.ep,
         "dp_shard_mod_ep": dims.dp_shard_mod_ep,
         "grad_accum_steps": grad_accum_steps,

@@ -66,7 +66,8 @@ def suggestions(plan: dict[str, Any], resolved: ResolvedJob) -> list[str]:
             f"(accumulation) shrinks activations and loss buffers ({acts:.1f} GiB)"
         )
     logits = plan["formula_cross_check"]["loss"] / GIB
-    if not plan["fused_loss"] and logits > 0.05 * budget:
+    # Under TP the logits are already split over the vocabulary, and the fused loss is off.
+    if not plan["fused_loss"] and plan["layout"].get("tp", 1) == 1 and logits > 0.05 * budget:
         out.append(f"training.fused_loss: true (the full logits take about {logits:.1f} GiB)")
     return out
 
@@ -77,9 +78,10 @@ def format_plan(plan: dict[str, Any]) -> str:
     layout = plan["layout"]
     device = plan["device"]
     cost = plan["cost"]
+    tp = f" × TP {layout['tp']}" if layout.get("tp", 1) > 1 else ""
     lines = [
         f"plan: {plan['world_size']} rank(s) (replicate {layout['dp_replicate']} × shard "
-        f"{layout['dp_shard']}, EP {layout['ep']}) on {device['name']} "
+        f"{layout['dp_shard']}{tp}, EP {layout['ep']}) on {device['name']} "
         f"({plan['device_memory_gib']:.1f} GiB, {plan['reserved_gib']:.1f} GiB reserved), "
         f"{plan['compute_dtype']} compute, AC {plan['activation_checkpoint']}, fused loss "
         f"{plan['fused_loss']}, {plan['micro_batch_tokens']} tokens per micro-batch",

@@ -294,12 +294,16 @@ def uses_fused_loss(cfg: Any, spec: Any, model: nn.Module) -> bool:
     """Whether training fuses the output projection into the loss (trainer and planner alike).
 
     Only for the default token cross-entropy (a spec's own loss sees real logits), when
-    ``training.fused_loss`` is on and the model's projection can be deferred.
+    ``training.fused_loss`` is on, the model's projection can be deferred, and without
+    tensor parallelism: there the output weight is split over the vocabulary, and the
+    loss-parallel cross-entropy (``models/tensor_parallel``) already keeps each rank to
+    its own logits' share, so the trainer uses that.
     """
     return (
         cfg.training.fused_loss
         and spec.build_loss_fn is build_cross_entropy_loss
         and can_defer_output_projection(model)
+        and cfg.layout.tp == 1
     )
 
 

@@ -1,16 +1,21 @@
 """The device meshes of a job's layout (the degrees: ``config/layout.Layout``).
 
-The world is laid out as a 3-D mesh ``(dp_replicate, dp_shard_mod_ep, ep)``; expert
-parallelism borrows its ranks from the FSDP shard dimension, as in torchtitan:
+Dense parameters see the world as ``(dp_replicate, dp_shard, tp)`` (tensor parallelism
+innermost, so its ranks are neighbours on one node). Sparse (routed-expert) parameters see
+the same ranks as ``(dp_replicate, dp_shard_mod_ep, ep)``: expert parallelism borrows its
+ranks from ``dp_shard × tp``, the innermost first, as torchtitan's ``efsdp × ep`` does:
 
-- ``dp_shard = dp_shard_mod_ep × ep`` is the FSDP mesh of dense parameters (flattened);
+- ``dp_shard`` (with ``dp_replicate`` for HSDP) is the FSDP mesh of dense parameters;
+- ``tp`` is the tensor-parallel mesh (``models/tensor_parallel``); its ranks hold
+  different sequence shards between blocks, which is what lets EP borrow them;
 - ``ep`` is the expert-parallel mesh: its ranks hold different experts and exchange
   tokens with all-to-all;
-- ``dp_shard_mod_ep`` (with ``dp_replicate`` for HSDP) is the FSDP mesh of expert
-  parameters, which are already split ``ep`` ways;
-- ``dp`` (the whole world of one replica group, 1-D, ``Layout.dp_degree`` ranks) is data
-  parallelism: every rank reads different data, and losses / expert loads are reduced
-  over it (across replica groups, ``ft/`` reduces again).
+- ``dp_shard_mod_ep = dp_shard × tp / ep`` (with ``dp_replicate`` for HSDP) is the FSDP
+  mesh of expert parameters, which are already split ``ep`` ways;
+- ``dp`` (``Layout.dp_degree`` ranks, 1-D: the world of one replica group without
+  ``tp``) is data parallelism: its ranks read different data, and losses are averaged
+  over it (across replica groups, ``ft/`` reduces again); expert loads are summed over
+  every rank (``load_group``).
 
 Size-1 dimensions are kept, so the same names exist in every layout.
 """
@@ -26,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from titan_kedro.config.layout import Layout
 
 MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "ep")
+DENSE_DIMS = ("dp_replicate", "dp_shard", "tp")
 
 
 @dataclass
@@ -39,6 +45,7 @@ class ParallelDims:
     _world_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _dense_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _flat_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def from_config(cls, cfg: Any, world_size: int, device: torch.device) -> ParallelDims:
@@ -73,6 +80,10 @@ class ParallelDims:
         return self.layout.ep
 
     @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
     def dp_degree(self) -> int:
         """Data-parallel ranks of this replica group (gradients are reduced over them)."""
         return self.layout.dp_degree
@@ -98,15 +109,21 @@ class ParallelDims:
     def build_mesh(self) -> DeviceMesh:
         """Create the meshes (needs an initialised process group); returns the 3-D world mesh.
 
-        The 1-D ``dp`` mesh is unflattened twice, into ``(dp_replicate, dp_shard)`` for
-        dense FSDP and into ``(dp_replicate, dp_shard_mod_ep, ep)`` for experts, so rank
-        ``r`` sits at the same place in both.
+        The 1-D world mesh is unflattened twice, into ``(dp_replicate, dp_shard, tp)`` for
+        dense parameters and into ``(dp_replicate, dp_shard_mod_ep, ep)`` for experts, so
+        rank ``r`` sits at the same place in both; ``dp`` flattens the dense mesh's data
+        dimensions (without ``tp``, the world itself).
         """
-        flat = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
-        self._dp_mesh = flat
+        names = ("dp",) if self.tp == 1 else ("world",)
+        flat = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=names)
+        self._flat_mesh = flat
         self._dense_mesh = flat._unflatten(
-            0, (self.dp_replicate, self.dp_shard), ("dp_replicate", "dp_shard")
+            0, (self.dp_replicate, self.dp_shard, self.tp), DENSE_DIMS
         )
+        if self.tp == 1:
+            self._dp_mesh = flat
+        else:
+            self._dp_mesh = self._dense_mesh["dp_replicate", "dp_shard"]._flatten("dp")
         self._world_mesh = flat._unflatten(
             0, (self.dp_replicate, self.dp_shard_mod_ep, self.ep), MESH_DIMS
         )
@@ -130,8 +147,21 @@ class ParallelDims:
         """Mesh for FSDP of dense parameters: ``dp_shard``, or ``(dp_replicate, dp_shard)`` for HSDP."""
         self.world_mesh  # noqa: B018
         if self.dp_replicate > 1:
-            return self._dense_mesh
+            return self._dense_mesh["dp_replicate", "dp_shard"]
         return self._dense_mesh["dp_shard"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        """1-D mesh of the ranks that split one model replica's tensors between them."""
+        self.world_mesh  # noqa: B018
+        return self._dense_mesh["tp"]
+
+    @property
+    def load_group(self) -> torch.distributed.ProcessGroup:
+        """Every rank of the replica group: expert loads are summed over it (the ``tp``
+        ranks route different sequence shards)."""
+        self.world_mesh  # noqa: B018
+        return self._flat_mesh.get_group()
 
     @property
     def expert_fsdp_mesh(self) -> DeviceMesh:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titan_kedro.models.tensor_parallel import loss_context
 from titan_kedro.train.documents import document_inputs
 from titan_kedro.train.grad_clip import clip_grad_norm_
 from titan_kedro.train.metrics import expert_load_stats
@@ -81,6 +82,9 @@ class TrainStep:
     failure_context: Callable[[], tuple[int, Path | None]] = _no_failure_context
     """(completed steps, last good checkpoint) for the non-finite error's message."""
     reads: HostReads = field(default_factory=HostReads)
+    load_group: Any = None
+    """Group the expert loads are summed over (None: ``dp_group``); every rank of the
+    replica group under tensor parallelism, whose ranks route different tokens."""
 
     @property
     def model(self) -> nn.Module:
@@ -112,7 +116,10 @@ class TrainStep:
         if has_moe:
             model.reset_expert_load()
         self.optimizers.zero_grad()
-        sums, data_time = self._micro_batches()
+        # Under tensor parallelism forward and backward run in loss_parallel (the logits
+        # stay split over the vocabulary).
+        with loss_context(self.config.layout.tp)():
+            sums, data_time = self._micro_batches()
         accum = self.config.layout.grad_accum_steps
         params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
         if ft is not None:
@@ -131,7 +138,8 @@ class TrainStep:
         }
         if has_moe:
             load = model.expert_load().detach().float().to(self.device)
-            dist.all_reduce(load, group=self.dp_group)
+            load_group = self.dp_group if self.load_group is None else self.load_group
+            dist.all_reduce(load, group=load_group)
             if ft is not None:
                 ft.replica_sum(load)
         if ft is not None and not ft.should_commit():

@@ -24,6 +24,7 @@ from titan_kedro.data.token_store import read_token_metadata
 from titan_kedro.ft.identity import data_shard, restarted_group
 from titan_kedro.models.parallel import autocast_dtype, training_dtypes
 from titan_kedro.models.resolve import ResolvedJob
+from titan_kedro.models.tensor_parallel import loss_context, loss_parallel_cross_entropy
 from titan_kedro.runs.folders import run_folder
 from titan_kedro.runs.identity import checkpoint_metadata
 from titan_kedro.tracking.mlflow_logger import MlflowMetricsSink
@@ -31,11 +32,7 @@ from titan_kedro.train.checkpoint.manager import CheckpointManager, ModelState
 from titan_kedro.train.device import env_int, init_process_group, resolve_device, set_cpu_threads
 from titan_kedro.train.documents import masking_bos_id
 from titan_kedro.train.faults import TestHooks
-from titan_kedro.train.fused_loss import (
-    FusedOutputLoss,
-    defer_output_projection,
-    uses_fused_loss,
-)
+from titan_kedro.train.fused_loss import FusedOutputLoss, defer_output_projection, uses_fused_loss
 from titan_kedro.train.hf_init import load_hf_weights
 from titan_kedro.train.metrics import MetricsLogger, memory_metrics, peak_tflops
 from titan_kedro.train.parallel_dims import ParallelDims
@@ -119,6 +116,7 @@ class Trainer:
             ft=self.ft,
             mark_data=self.batches.mark,
             failure_context=lambda: (self.state.step, self.checkpointer.last_saved),
+            load_group=self.parallel_dims.load_group,
         )
 
     def _init_process(self) -> None:
@@ -159,6 +157,8 @@ class Trainer:
             self.loss_fn = FusedOutputLoss(
                 defer_output_projection(model), compile=cfg.training.compile
             )
+        elif cfg.layout.tp > 1:
+            self.loss_fn = loss_parallel_cross_entropy(self.loss_fn, cfg)
         self.model = self.spec.parallelize_fn(model, self.parallel_dims, cfg)
         self.model.train()
         # Mixed precision once: by FSDP's policy when sharded, else by autocast (one rank).
@@ -224,11 +224,12 @@ class Trainer:
         restore_per_rank(self.batches, state, same_world=same_world, reseed=reseed)
 
     def _build_throughput(self) -> None:
-        """FLOPs per token and tokens per step, for the throughput metrics."""
+        """FLOPs per token and tokens per step (per rank: a TP group shares its tokens)."""
         seq_len = self.cfg.training.seq_len
         self.flops_per_token = self.spec.training_flops_per_token(self.model_args, seq_len)
         layout = self.parallel_dims.layout
-        self.tokens_per_step_local = layout.local_batch_size * seq_len * layout.grad_accum_steps
+        per_group = layout.local_batch_size * seq_len * layout.grad_accum_steps
+        self.tokens_per_step_local = per_group // layout.tp
         self.tokens_per_step_global = layout.global_batch_size * seq_len
 
     def _build_metrics(self) -> None:
@@ -289,7 +290,7 @@ class Trainer:
 
         Every rank scores its share of the batches; the mean is over all of them.
         """
-        with self.mixed_precision():
+        with self.mixed_precision(), loss_context(self.cfg.layout.tp)():
             val_loss, _ = mean_loss(
                 self.model,
                 self._validation_loader(),

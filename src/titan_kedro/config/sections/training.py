@@ -99,6 +99,14 @@ class ParallelismSection(Section):
     all-to-all; must divide the data-parallel shard degree and the model's routed experts
     (1: every rank holds every expert). Only for specs with ``expert_parallel`` (DeepSeek);
     a dense model trains with 1 and logs a warning."""
+    tensor_parallel_degree: StrictInt = Field(1, ge=1)
+    """Tensor parallelism (Megatron-style, through DTensor) with sequence parallelism: the
+    attention heads, the dense and shared-expert MLPs and the vocabulary are split over this
+    many ranks (the innermost mesh dimension; put them on one node), and the residual
+    stream between blocks is split along the sequence. Must divide the world size, the
+    model's heads and MLP widths, its vocabulary and ``training.seq_len`` (checked before
+    any worker starts). Routed experts stay on expert parallelism, which borrows these
+    ranks (for a MoE model ``expert_parallel_degree`` must be a multiple of this). 1: none."""
 
 
 class FaultToleranceSection(Section):

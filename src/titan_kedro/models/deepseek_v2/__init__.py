@@ -15,6 +15,7 @@ from titan_kedro.models.deepseek_v2.flops import flops_per_token, param_counts
 from titan_kedro.models.deepseek_v2.hf_adapter import DeepSeekV2StateDictAdapter
 from titan_kedro.models.deepseek_v2.model import DeepSeekV2Model
 from titan_kedro.models.deepseek_v2.parallelize import parallelize_deepseek_v2
+from titan_kedro.models.deepseek_v2.tensor_parallel import deepseek_tensor_parallel_widths
 from titan_kedro.models.spec import TrainSpec
 
 # DeepSeek-V2 and V2-Lite extend a 4K pretraining context 40× with YaRN.
@@ -105,18 +106,35 @@ FLAVORS: dict[str, DeepSeekV2ModelArgs] = {
 
 
 def validate_config(job_config: Any, args: DeepSeekV2ModelArgs) -> None:
-    """Reject an expert-parallel degree that cannot split the routed experts.
+    """Reject an expert-parallel degree that cannot split the routed experts, and MTP under
+    tensor parallelism.
 
-    That it divides the ranks is the layout's check (``config/layout.Layout``).
+    That the degrees divide the ranks is the layout's check (``config/layout.Layout``); the
+    widths TP splits are checked by ``models/tensor_parallel.check_tensor_parallel``.
 
     Raises:
-        ValueError: Naming ``parallelism.expert_parallel_degree`` and what it must divide.
+        ValueError: Naming the ``parallelism`` key at fault and the fix.
     """
     ep = job_config.layout.ep
     if args.n_routed_experts % ep:
         raise ValueError(
             f"parallelism.expert_parallel_degree={ep} must divide the model's "
             f"n_routed_experts={args.n_routed_experts}; pick a divisor of it"
+        )
+    tp = job_config.layout.tp
+    if tp > 1 and ep % tp and args.n_moe_layers:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree={ep} with tensor_parallel_degree={tp}: the "
+            "tensor-parallel ranks route different tokens (sequence parallelism), so each "
+            "expert-parallel group must hold whole TP groups; set expert_parallel_degree to "
+            f"a multiple of {tp} that divides the shard degree × {tp}"
+        )
+    if tp > 1 and getattr(args, "mtp_depth", 0):
+        raise ValueError(
+            f"parallelism.tensor_parallel_degree={tp} with model.mtp_depth="
+            f"{args.mtp_depth}: the multi-token-prediction modules have no tensor-parallel "
+            "plan yet (their projection joins two sequence-sharded streams); set "
+            "model.mtp_depth: 0 or tensor_parallel_degree: 1"
         )
 
 
@@ -128,6 +146,7 @@ DEEPSEEK_V2_SPEC = TrainSpec(
     state_dict_adapter=DeepSeekV2StateDictAdapter(),
     flops_per_token=flops_per_token,
     expert_parallel=True,
+    tensor_parallel_widths=deepseek_tensor_parallel_widths,
     validate_config_fn=validate_config,
 )
 """Found by ``get_train_spec("deepseek_v2")`` through ``registry.BUILTIN_SPECS``."""

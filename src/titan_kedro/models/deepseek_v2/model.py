@@ -75,15 +75,16 @@ class MLA(nn.Module):
     ) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = self.wq(x) if self.q_lora_rank is None else self.wq_b(self.q_norm(self.wq_a(x)))
-        q = q.view(bsz, seq, self.n_heads, -1)
+        # -1 heads: under tensor parallelism this rank's share of them.
+        q = q.view(bsz, seq, -1, self.qk_nope_head_dim + self.qk_rope_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q = torch.cat([q_nope, apply_rotary_emb(q_pe, freqs_cis)], dim=-1)
 
         latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         k_pe = apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis)  # one head, shared by all
-        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seq, self.n_heads, -1)
+        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seq, q.shape[2], -1)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, q.shape[2], -1)], dim=-1)
 
         out = attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale=self.softmax_scale

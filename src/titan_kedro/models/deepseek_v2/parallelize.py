@@ -1,4 +1,4 @@
-"""Parallelize DeepSeek-V2: activation checkpointing, compile, expert parallelism, FSDP2.
+"""Parallelize DeepSeek-V2: tensor, expert parallelism, activation checkpointing, compile, FSDP2.
 
 Meshes (``titan_kedro.train.parallel_dims``): dense parameters are sharded over
 ``dp_shard`` (plus ``dp_replicate`` for HSDP). With expert parallelism the routed experts
@@ -23,7 +23,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from titan_kedro.models.deepseek_v2.expert_parallel import shard_experts
 from titan_kedro.models.deepseek_v2.moe import GroupedExperts
+from titan_kedro.models.deepseek_v2.tensor_parallel import apply_deepseek_tensor_parallel
 from titan_kedro.models.parallel import apply_ac, apply_compile, apply_fsdp, training_dtypes
+from titan_kedro.models.tensor_parallel import reduce_partial_gradients
 
 
 def grouped_experts(module: nn.Module) -> list[GroupedExperts]:
@@ -78,7 +80,8 @@ def _scale_expert_gradients(experts: FSDPModule, parallel_dims: Any) -> None:
 
 
 def parallelize_deepseek_v2(model: nn.Module, parallel_dims: Any, job_config: Any) -> nn.Module:
-    """Expert parallelism, activation checkpointing, compile and FSDP2 for DeepSeek-V2.
+    """Tensor and expert parallelism, activation checkpointing, compile and FSDP2 (2-D
+    with TP) for DeepSeek-V2.
 
     Args:
         model: The model with identical, initialised parameters on every rank.
@@ -91,6 +94,8 @@ def parallelize_deepseek_v2(model: nn.Module, parallel_dims: Any, job_config: An
         ``titan_kedro.models.parallel``).
     """
     before_block = None
+    if parallel_dims.tp > 1:
+        apply_deepseek_tensor_parallel(model, parallel_dims.tp_mesh)
     if parallel_dims.ep > 1:
         if apply_expert_parallel(model, parallel_dims) == 0:
             raise ValueError(
@@ -102,7 +107,9 @@ def parallelize_deepseek_v2(model: nn.Module, parallel_dims: Any, job_config: An
     apply_ac(model, training.activation_checkpoint, training.activation_checkpoint_blocks)
     if job_config.training.compile:
         apply_compile(model)
-    if not parallel_dims.fsdp_enabled:  # one rank: mixed precision comes from autocast
+    if not parallel_dims.fsdp_enabled:  # one data rank: mixed precision comes from autocast
+        if parallel_dims.tp > 1:
+            reduce_partial_gradients(model)
         return model
     param_dtype, reduce_dtype = training_dtypes(job_config, parallel_dims.device)
     return apply_fsdp(

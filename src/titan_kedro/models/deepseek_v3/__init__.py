@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from titan_kedro.models.common import YarnRopeScaling
 from titan_kedro.models.deepseek_v2 import validate_config as validate_expert_parallel
 from titan_kedro.models.deepseek_v2.parallelize import parallelize_deepseek_v2
+from titan_kedro.models.deepseek_v2.tensor_parallel import deepseek_tensor_parallel_widths
 from titan_kedro.models.deepseek_v3.args import DeepSeekV3ModelArgs
 from titan_kedro.models.deepseek_v3.flops import flops_per_token, param_counts
 from titan_kedro.models.deepseek_v3.hf_adapter import DeepSeekV3StateDictAdapter
@@ -144,6 +145,7 @@ DEEPSEEK_V3_SPEC = TrainSpec(
     },
     validate_config_fn=validate_expert_parallel,
     expert_parallel=True,
+    tensor_parallel_widths=deepseek_tensor_parallel_widths,
 )
 
 __all__ = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 from titan_kedro.models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 from titan_kedro.models.llama3.hf_adapter import Llama3StateDictAdapter
 from titan_kedro.models.llama3.model import Llama3Model
+from titan_kedro.models.llama3.parallelize import llama3_tensor_parallel_widths, parallelize_llama3
 from titan_kedro.models.spec import TrainSpec
 
 
@@ -45,6 +46,8 @@ LLAMA3_SPEC = TrainSpec(
     flavors=LLAMA3_FLAVORS,
     state_dict_adapter=Llama3StateDictAdapter(),
     flops_per_token=llama3_flops_per_token,
+    parallelize_fn=parallelize_llama3,
+    tensor_parallel_widths=llama3_tensor_parallel_widths,
 )
 """Found by ``get_train_spec("llama3")`` through ``registry.BUILTIN_SPECS``."""
 

@@ -41,9 +41,10 @@ class Attention(nn.Module):
         self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask = None
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
-        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism this rank's share of them.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q = apply_rotary_emb_half(q, freqs_cis)
         k = apply_rotary_emb_half(k, freqs_cis)
         out = attention(

@@ -1,0 +1,152 @@
+"""Tensor parallelism (with sequence parallelism) trains like one process, and its checkpoint
+continues without it.
+
+DeepSeek-V2 (MLA with q-LoRA, a dense block, MoE blocks with shared experts, the balance
+loss and the routing bias, two blocks recomputed in backward) on 4 ranks as TP 2 × FSDP 2
+with EP 2 folded onto the TP ranks, and Llama 3 (GQA) as TP 2 on 2 ranks, must give the
+losses, gradient norms, auxiliary and validation losses of one process that accumulates
+the same global batch, within 1e-5 over 6 steps in float32 (only the reduction order
+differs). The DeepSeek run's step-3 checkpoint,
+continued by one process (TP 1), must give the uninterrupted reference's steps 4-6.
+
+DeepSeek's one-process runs (the reference and the resume) share one Python process (the
+trainer leaves its process group when it closes).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from train.helpers import REPO, TINY_DEEPSEEK, read_metrics, run_worker, tiny_job, write_token_dir
+
+pytestmark = pytest.mark.slow
+
+STEPS = list(range(1, 7))
+KEYS = {
+    "deepseek": ("loss", "grad_norm", "moe_aux_loss"),
+    "llama": ("loss", "grad_norm", "val_loss"),
+}
+MODELS: dict[str, dict[str, Any]] = {
+    "deepseek": {
+        "name": "deepseek_v2",
+        "overrides": {**TINY_DEEPSEEK, "q_lora_rank": 32, "aux_loss_alpha": 0.01},
+    },
+    "llama": {
+        "name": "llama3",
+        "flavor": "debugmodel",
+        "overrides": {
+            "vocab_size": 512,
+            "n_layers": 2,
+            "dim": 64,
+            "n_heads": 4,
+            "n_kv_heads": 2,
+            "ffn_hidden_dim": 128,
+        },
+    },
+}
+
+
+def _job(root: Path, tokens: Path, model: str, name: str, **sections: Any) -> dict[str, Any]:
+    training = {"steps": len(STEPS), "global_batch_size": 8, "max_norm": 0.5}
+    if model == "deepseek":  # recomputes blocks 0 (dense) and 2 (MoE): same maths
+        training["activation_checkpoint"] = "selective"
+    else:  # Llama also scores 2 held-out batches after the last step
+        sections.setdefault("validation", {"freq": len(STEPS), "steps": 2})
+    return tiny_job(
+        root / f"{model}_{name}",
+        tokens,
+        model={"custom_model_path": None, **MODELS[model]},
+        training=training,
+        **{"checkpoint": {"enable": False}, **sections},
+    )
+
+
+def _one_process(jobs: list[dict[str, Any]]) -> None:
+    """Train ``jobs`` one after another in one plain Python process (world size 1)."""
+    files = []
+    for raw in jobs:
+        dump = Path(raw["job"]["dump_folder"])
+        dump.mkdir(parents=True, exist_ok=True)
+        files.append(dump / "input_config.yaml")
+        files[-1].write_text(yaml.safe_dump(raw), encoding="utf-8")
+    script = (
+        "import sys\nfrom titan_kedro.train.__main__ import run_worker\n"
+        "for path in sys.argv[1:]:\n    run_worker(['--config', path])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *map(str, files)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+
+
+def _assert_same(ours: list[dict], theirs: list[dict], keys: tuple[str, ...], what: str) -> None:
+    assert [row["step"] for row in ours] == [row["step"] for row in theirs], what
+    for mine, reference in zip(ours, theirs, strict=True):
+        for key in (key for key in keys if key in reference):
+            assert mine[key] == pytest.approx(reference[key], rel=1e-5), (what, mine["step"], key)
+
+
+def _reference(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """The metrics rows of a one-process run, checked to train every step."""
+    rows = read_metrics(job["job"]["dump_folder"])
+    assert [row["step"] for row in rows] == STEPS
+    # The losses really change (the comparison would be empty otherwise).
+    assert len({round(row["loss"], 5) for row in rows}) == len(STEPS)
+    return rows
+
+
+def test_deepseek_tp2_fsdp2_ep2_trains_like_one_process_and_resumes_on_tp1(
+    tmp_path: Path,
+) -> None:
+    tokens = write_token_dir(tmp_path / "tokens", n_train=4_000)
+    parallel = _job(
+        tmp_path,
+        tokens,
+        "deepseek",
+        "tp2_fsdp2_ep2",
+        parallelism={"tensor_parallel_degree": 2, "expert_parallel_degree": 2},
+        checkpoint={"interval": 3},
+    )
+    run_worker(parallel, nproc=4, timeout_s=300)
+    one = _job(tmp_path, tokens, "deepseek", "one")
+    resumed = _job(tmp_path, tokens, "deepseek", "resumed_tp1", checkpoint={"resume": "latest"})
+    step_3 = Path(parallel["checkpoint"]["folder"]) / "step-3"
+    shutil.copytree(step_3, Path(resumed["checkpoint"]["folder"]) / "step-3")
+    _one_process([one, resumed])
+
+    reference = _reference(one)
+    _assert_same(read_metrics(parallel["job"]["dump_folder"]), reference, KEYS["deepseek"], "TP")
+    _assert_same(
+        read_metrics(resumed["job"]["dump_folder"]),
+        reference[3:],
+        KEYS["deepseek"],
+        "TP 2 checkpoint resumed on TP 1",
+    )
+
+
+def test_llama3_tp2_trains_and_validates_like_one_process(tmp_path: Path) -> None:
+    tokens = write_token_dir(tmp_path / "tokens", n_train=4_000)
+    parallel = _job(tmp_path, tokens, "llama", "tp2", parallelism={"tensor_parallel_degree": 2})
+    run_worker(parallel, nproc=2, timeout_s=300)
+    one = _job(tmp_path, tokens, "llama", "one")
+    _one_process([one])
+
+    reference = _reference(one)
+    assert "val_loss" in reference[-1]
+    rows = read_metrics(parallel["job"]["dump_folder"])
+    _assert_same(rows, reference, KEYS["llama"], "TP")
+    # Throughput per rank: a TP 2 group shares its 4 micro-batches × 2 × 32 tokens per step.
+    for row in rows:
+        assert row["tps"] * row["step_time_s"] == pytest.approx(4 * 2 * 32 / 2)
