@@ -1,15 +1,19 @@
 """The device meshes of a job's layout (the degrees: ``config/layout.Layout``).
 
-The world is laid out as a 3-D mesh ``(dp_replicate, dp_shard_mod_ep, ep)``; expert
-parallelism borrows its ranks from the FSDP shard dimension, as in torchtitan:
+The world is laid out as a 4-D mesh ``(pp, dp_replicate, dp_shard_mod_ep, ep)``: pipeline
+stages outermost (rank ``r`` is in stage ``r // dp_degree``), then data parallelism inside
+each stage; expert parallelism borrows its ranks from the FSDP shard dimension, as in
+torchtitan:
 
+- ``pp`` is the pipeline mesh: its ranks hold different stages of the same samples and
+  pass activations point to point (``train/pipeline``);
 - ``dp_shard = dp_shard_mod_ep × ep`` is the FSDP mesh of dense parameters (flattened);
 - ``ep`` is the expert-parallel mesh: its ranks hold different experts and exchange
   tokens with all-to-all;
 - ``dp_shard_mod_ep`` (with ``dp_replicate`` for HSDP) is the FSDP mesh of expert
   parameters, which are already split ``ep`` ways;
-- ``dp`` (the whole world of one replica group, 1-D, ``Layout.dp_degree`` ranks) is data
-  parallelism: every rank reads different data, and losses / expert loads are reduced
+- ``dp`` (the data-parallel ranks of this rank's stage, 1-D, ``Layout.dp_degree`` ranks;
+  the whole world of one replica group without pipelining) is data parallelism: every rank reads different data, and losses / expert loads are reduced
   over it (across replica groups, ``ft/`` reduces again).
 
 Size-1 dimensions are kept, so the same names exist in every layout.
@@ -25,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titan_kedro.config.layout import Layout
 
-MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "ep")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep")
 
 
 @dataclass
@@ -39,6 +43,7 @@ class ParallelDims:
     _world_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _dense_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _pp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def from_config(cls, cfg: Any, world_size: int, device: torch.device) -> ParallelDims:
@@ -73,6 +78,14 @@ class ParallelDims:
         return self.layout.ep
 
     @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
     def dp_degree(self) -> int:
         """Data-parallel ranks of this replica group (gradients are reduced over them)."""
         return self.layout.dp_degree
@@ -96,28 +109,42 @@ class ParallelDims:
         return self.layout.dp_shard_mod_ep
 
     def build_mesh(self) -> DeviceMesh:
-        """Create the meshes (needs an initialised process group); returns the 3-D world mesh.
+        """Create the meshes (needs an initialised process group); returns the 4-D world mesh.
 
-        The 1-D ``dp`` mesh is unflattened twice, into ``(dp_replicate, dp_shard)`` for
-        dense FSDP and into ``(dp_replicate, dp_shard_mod_ep, ep)`` for experts, so rank
-        ``r`` sits at the same place in both.
+        The ``(pp, dp)`` mesh's ``dp`` dimension is unflattened twice, into ``(dp_replicate,
+        dp_shard)`` for dense FSDP and into ``(dp_replicate, dp_shard_mod_ep, ep)`` for
+        experts, so rank ``r`` sits at the same place in both.
         """
-        flat = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
-        self._dp_mesh = flat
+        flat = init_device_mesh(
+            self.device.type, (self.pp, self.dp_degree), mesh_dim_names=("pp", "dp")
+        )
+        self._dp_mesh = flat["dp"]
+        self._pp_mesh = flat["pp"]
         self._dense_mesh = flat._unflatten(
-            0, (self.dp_replicate, self.dp_shard), ("dp_replicate", "dp_shard")
+            1, (self.dp_replicate, self.dp_shard), ("dp_replicate", "dp_shard")
         )
         self._world_mesh = flat._unflatten(
-            0, (self.dp_replicate, self.dp_shard_mod_ep, self.ep), MESH_DIMS
+            1, (self.dp_replicate, self.dp_shard_mod_ep, self.ep), MESH_DIMS[1:]
         )
         return self._world_mesh
 
     @property
     def world_mesh(self) -> DeviceMesh:
-        """3-D mesh ``(dp_replicate, dp_shard_mod_ep, ep)``."""
+        """4-D mesh ``(pp, dp_replicate, dp_shard_mod_ep, ep)``."""
         if self._world_mesh is None:
             raise RuntimeError("ParallelDims.build_mesh() has not been called yet")
         return self._world_mesh
+
+    @property
+    def pp_mesh(self) -> DeviceMesh:
+        """1-D mesh of the ranks that hold this rank's pipeline (one per stage group)."""
+        self.world_mesh  # noqa: B018
+        return self._pp_mesh
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's place in its pipeline (0: holds the first stage)."""
+        return self.pp_mesh.get_local_rank()
 
     @property
     def dp_mesh(self) -> DeviceMesh:
@@ -130,7 +157,7 @@ class ParallelDims:
         """Mesh for FSDP of dense parameters: ``dp_shard``, or ``(dp_replicate, dp_shard)`` for HSDP."""
         self.world_mesh  # noqa: B018
         if self.dp_replicate > 1:
-            return self._dense_mesh
+            return self._dense_mesh["dp_replicate", "dp_shard"]
         return self._dense_mesh["dp_shard"]
 
     @property

@@ -31,14 +31,10 @@ from titan_kedro.train.checkpoint.manager import CheckpointManager, ModelState
 from titan_kedro.train.device import env_int, init_process_group, resolve_device, set_cpu_threads
 from titan_kedro.train.documents import masking_bos_id
 from titan_kedro.train.faults import TestHooks
-from titan_kedro.train.fused_loss import (
-    FusedOutputLoss,
-    defer_output_projection,
-    uses_fused_loss,
-)
 from titan_kedro.train.hf_init import load_hf_weights
 from titan_kedro.train.metrics import MetricsLogger, memory_metrics, peak_tflops
 from titan_kedro.train.parallel_dims import ParallelDims
+from titan_kedro.train.pipeline import PipelineTrainStep, build_model_parts, pipeline_fields
 from titan_kedro.train.run_state import (
     TrainBatches,
     TrainState,
@@ -87,7 +83,6 @@ class Trainer:
         self.parallel_dims.build_mesh()
         self.dp_group = self.parallel_dims.dp_mesh.get_group()
         self._build_model()
-        self.model_parts = [self.model]
         self.optimizers = self.spec.build_optimizers_fn(self.model_parts, cfg)
         self.lr_schedulers = self.spec.build_lr_schedulers_fn(self.optimizers, cfg)
         # Different per rank so any sampling differs across ranks; restored on resume.
@@ -104,7 +99,7 @@ class Trainer:
         self._build_throughput()
         self._build_metrics()
         self.ft = self._build_ft()  # the other replica groups, after the logger
-        self.step_fn = TrainStep(
+        self.step_fn = (PipelineTrainStep if self.stages else TrainStep)(
             self.model_parts,
             self.loss_fn,
             self.optimizers,
@@ -119,6 +114,7 @@ class Trainer:
             ft=self.ft,
             mark_data=self.batches.mark,
             failure_context=lambda: (self.state.step, self.checkpointer.last_saved),
+            **pipeline_fields(self.stages, self.parallel_dims),
         )
 
     def _init_process(self) -> None:
@@ -142,12 +138,12 @@ class Trainer:
         torch.use_deterministic_algorithms(cfg.training.deterministic, warn_only=True)
 
     def _build_model(self) -> None:
-        """The initialised model, its loss (fused or not), document masking, then sharding."""
+        """The initialised model, its loss (fused or not), document masking, then sharding
+        (this rank's pipeline stages under pipeline parallelism, ``train/pipeline``)."""
         cfg = self.cfg
         model = build_model(self.spec, self.model_args, cfg.job.seed, self.device)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.loss_fn = self.spec.build_loss_fn(cfg)
-        self.fused_loss = uses_fused_loss(cfg, self.spec, model)
         try:
             tokens_meta = read_token_metadata(cfg.data.token_dir)
         except FileNotFoundError:  # token files written by hand: no fingerprints, no BOS
@@ -155,11 +151,10 @@ class Trainer:
         self.document_bos = masking_bos_id(cfg, model, tokens_meta)
         # Recorded in every checkpoint's metadata.json; fixed for the whole run.
         self.run_metadata = checkpoint_metadata(cfg, tokens_meta)
-        if self.fused_loss:
-            self.loss_fn = FusedOutputLoss(
-                defer_output_projection(model), compile=cfg.training.compile
-            )
-        self.model = self.spec.parallelize_fn(model, self.parallel_dims, cfg)
+        self.model_parts, self.loss_fn, self.stages = build_model_parts(
+            model, self.spec, self.model_args, self.parallel_dims, cfg, self.loss_fn
+        )
+        self.model = self.model_parts[0]
         self.model.train()
         # Mixed precision once: by FSDP's policy when sharded, else by autocast (one rank).
         self.autocast_dtype = autocast_dtype(self.model, cfg, self.device)
@@ -226,8 +221,10 @@ class Trainer:
     def _build_throughput(self) -> None:
         """FLOPs per token and tokens per step, for the throughput metrics."""
         seq_len = self.cfg.training.seq_len
-        self.flops_per_token = self.spec.training_flops_per_token(self.model_args, seq_len)
         layout = self.parallel_dims.layout
+        # A pipeline rank computes 1/pp of the model; its step time includes the bubble.
+        flops = self.spec.training_flops_per_token(self.model_args, seq_len)
+        self.flops_per_token = flops / layout.pp
         self.tokens_per_step_local = layout.local_batch_size * seq_len * layout.grad_accum_steps
         self.tokens_per_step_global = layout.global_batch_size * seq_len
 
