@@ -152,7 +152,7 @@ class Trainer:
         # Recorded in every checkpoint's metadata.json; fixed for the whole run.
         self.run_metadata = checkpoint_metadata(cfg, tokens_meta)
         self.model_parts, self.loss_fn, self.stages = build_model_parts(
-            model, self.spec, self.model_args, self.parallel_dims, cfg, self.loss_fn
+            model, self.spec, self.model_args, self.parallel_dims, cfg=cfg, loss_fn=self.loss_fn
         )
         self.model = self.model_parts[0]
         self.model.train()

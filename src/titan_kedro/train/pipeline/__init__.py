@@ -29,7 +29,7 @@ __all__ = ["PipelineTrainStep", "build_model_parts", "build_pipeline", "pipeline
 
 
 def build_model_parts(
-    model: nn.Module, spec: Any, model_args: Any, parallel_dims: Any, cfg: Any, loss_fn: Any
+    model: nn.Module, spec: Any, model_args: Any, parallel_dims: Any, *, cfg: Any, loss_fn: Any
 ) -> tuple[list[nn.Module], Any, list[PipelineStage] | None]:
     """The trainer's model parts and loss: the whole parallelized model, or this rank's stages.
 
@@ -40,14 +40,14 @@ def build_model_parts(
         ``(model_parts, loss_fn, stages)``; ``stages`` is None without pipelining.
     """
     if parallel_dims.pp_enabled:
-        return build_pipeline(model, spec, model_args, parallel_dims, cfg, loss_fn)
+        return build_pipeline(model, spec, model_args, parallel_dims, cfg=cfg, loss_fn=loss_fn)
     if uses_fused_loss(cfg, spec, model):
         loss_fn = FusedOutputLoss(defer_output_projection(model), compile=cfg.training.compile)
     return [spec.parallelize_fn(model, parallel_dims, cfg)], loss_fn, None
 
 
 def build_pipeline(
-    model: nn.Module, spec: Any, model_args: Any, parallel_dims: Any, cfg: Any, loss_fn: Any
+    model: nn.Module, spec: Any, model_args: Any, parallel_dims: Any, *, cfg: Any, loss_fn: Any
 ) -> tuple[list[nn.Module], Any, list[PipelineStage]]:
     """This rank's stages of ``model``, parallelized, the loss and the ``PipelineStage`` s.
 
