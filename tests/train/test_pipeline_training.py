@@ -1,0 +1,122 @@
+"""Pipeline parallelism trains like one process, and its checkpoint resumes on one process.
+
+One spawn of 4 gloo ranks trains two layouts one after the other (no second start-up):
+
+- DeepSeek-V2, PP 2 × FSDP 2, ``1F1B``, 6 steps (checkpoint at step 3);
+- DeepSeek-V3 with one MTP depth (4 blocks), PP 2 × FSDP 2 with EP 2 inside, the
+  ``Interleaved1F1B`` schedule (2 stages per rank), 3 steps.
+
+Each must give the losses, gradient norms and auxiliary / MTP losses of one process
+accumulating the same global batch, within 1e-5 relative (fp32): with one pipeline
+microbatch per accumulation step the pipeline computes the same per-microbatch losses and
+the schedule's ``1 / n_microbatches`` gradient scale is the accumulation's ``1 / accum``;
+only the order of the floating-point sums differs (FSDP's reduce-scatter, the pipeline's
+all-reduce of the loss), which moves fp32 results by a few ulps (~1e-7 relative).
+
+The PP 2 checkpoint at step 3 then continues on one process: steps 4-6 must be the
+uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from titan_kedro.models.resolve import resolve_job_config
+from titan_kedro.train.trainer import Trainer
+from train.helpers import TINY_DEEPSEEK, read_metrics, run_ranks, tiny_job, write_token_dir
+
+pytestmark = pytest.mark.slow
+
+KEYS = ("loss", "grad_norm", "moe_aux_loss")
+
+
+def _job(root: Path, tokens: Path, model: str, steps: int, **sections: Any) -> dict[str, Any]:
+    extra = {"mtp_depth": 1, "overrides": {**TINY_DEEPSEEK, "n_layers": 4}}
+    return tiny_job(
+        root,
+        tokens,
+        model={
+            "name": model,
+            "custom_model_path": None,
+            "overrides": TINY_DEEPSEEK,
+            **(extra if model == "deepseek_v3" else {}),
+        },
+        training={"steps": steps, "global_batch_size": 8, "max_norm": 0.5},
+        **sections,
+    )
+
+
+def _train(raw: dict[str, Any], *, close: bool = True) -> list[dict[str, Any]]:
+    trainer = Trainer(resolve_job_config(raw, source="test"))
+    try:
+        trainer.train()
+    finally:
+        if close:
+            trainer.close()
+        elif trainer.metrics is not None:
+            trainer.metrics.close()  # the spawned ranks' group outlives this trainer
+    return read_metrics(raw["job"]["dump_folder"])
+
+
+def _train_each(rank: int, world: int, jobs: list[dict[str, Any]]) -> None:
+    for raw in jobs:
+        _train(raw, close=False)
+
+
+def _assert_same(ours: list[dict], theirs: list[dict], keys: tuple[str, ...], name: str) -> None:
+    assert [row["step"] for row in ours] == [row["step"] for row in theirs], name
+    for mine, reference in zip(ours, theirs, strict=True):
+        for key in keys:
+            assert mine[key] == pytest.approx(reference[key], rel=1e-5), (name, mine["step"], key)
+
+
+def test_pipelined_layouts_train_like_one_process_and_resume_on_one(tmp_path: Path) -> None:
+    tokens = write_token_dir(tmp_path / "tokens", n_train=4_000)
+    off = {"checkpoint": {"enable": False}}
+    v2_one = _train(_job(tmp_path / "v2_one", tokens, "deepseek_v2", 6, **off))
+    v3_one = _train(_job(tmp_path / "v3_one", tokens, "deepseek_v3", 3, **off))
+    four = {"nproc_per_node": 4, "log_dir": str(tmp_path / "logs")}
+    v2_pp = _job(
+        tmp_path / "v2_pp",
+        tokens,
+        "deepseek_v2",
+        6,
+        parallelism={"pipeline_parallel_degree": 2},
+        launch=four,
+        checkpoint={"folder": str(tmp_path / "v2_pp_ckpt"), "interval": 3, "keep_latest_k": 2},
+    )
+    v3_pp = _job(
+        tmp_path / "v3_pp",
+        tokens,
+        "deepseek_v3",
+        3,
+        parallelism={
+            "pipeline_parallel_degree": 2,
+            "pipeline_schedule": "Interleaved1F1B",
+            "expert_parallel_degree": 2,
+        },
+        launch=four,
+        **off,
+    )
+    run_ranks(_train_each, [v2_pp, v3_pp], store=tmp_path / "store", world=4)
+    _assert_same(read_metrics(tmp_path / "v2_pp" / "job"), v2_one, KEYS, "v2 pp2 x fsdp2")
+    _assert_same(
+        read_metrics(tmp_path / "v3_pp" / "job"), v3_one, (*KEYS, "mtp_loss"), "v3 interleaved"
+    )
+    assert v2_one[-1]["loss"] < v2_one[0]["loss"]  # it learns, so equal losses mean something
+
+    # The PP 2 checkpoint of step 3 (each stage saved its part) continues on one process.
+    shutil.copytree(tmp_path / "v2_pp_ckpt" / "step-3", tmp_path / "resume_ckpt" / "step-3")
+    resumed = _job(
+        tmp_path / "resumed",
+        tokens,
+        "deepseek_v2",
+        6,
+        checkpoint={"folder": str(tmp_path / "resume_ckpt"), "resume": "latest", "interval": 100},
+    )
+    rows = _train(resumed)
+    _assert_same(rows, v2_one[3:], KEYS, "pp2 -> pp1 resume")
