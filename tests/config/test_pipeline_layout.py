@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from train.helpers import TINY_DEEPSEEK
 
 from titan_kedro.config import ConfigError
 from titan_kedro.config.layout import Layout
@@ -14,7 +15,6 @@ from titan_kedro.models.pipeline_split import balanced_layout, stage_costs
 from titan_kedro.models.registry import get_train_spec
 from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.train.pipeline.stages import make_stage
-from train.helpers import TINY_DEEPSEEK
 
 
 @pytest.mark.parametrize(
