@@ -150,6 +150,11 @@ def make_stage(model: nn.Module, index: int, layout: list[int], *, keep: bool) -
     return stage
 
 
+def moe_layer_ids(stage: nn.Module) -> list[int]:
+    """The model-wide ids of the stage's MoE blocks, in the order of ``moe_layers()``."""
+    return [int(name) for name, block in stage.layers.items() if getattr(block, "moe_enabled", 0)]
+
+
 def take_aux_values(stage: nn.Module) -> list[torch.Tensor]:
     """The auxiliary-loss values this stage recorded since the last call (one per forward)."""
     values = list(stage.pipeline_stage["aux"])

@@ -35,8 +35,9 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
 
 from titan_kedro.config.layout import INTERLEAVED_SCHEDULES
 from titan_kedro.train.grad_clip import clip_grad_norm_
+from titan_kedro.train.metrics import memory_metrics
 from titan_kedro.train.mtp import mtp_loss, mtp_loss_weight
-from titan_kedro.train.pipeline.stages import take_aux_values
+from titan_kedro.train.pipeline.stages import moe_layer_ids, take_aux_values
 from titan_kedro.train.step import TrainStep
 
 
@@ -146,9 +147,37 @@ class PipelineTrainStep(TrainStep):
         self.lr_schedulers.step()
         for part, load in zip(moe_parts, loads, strict=True):
             part.update_expert_bias(load)
-        if loads and torch.cat(loads).numel():  # this rank's layers (rank 0: the first stage's)
-            metrics.update(reads.expert_load_stats(torch.cat(loads)))
+        if loads:
+            load = self._whole_model_load(moe_parts, loads)
+            if load.numel():
+                metrics.update(reads.expert_load_stats(load))
+        metrics.update(self._stage_memory())
         return metrics
+
+    def _whole_model_load(self, parts: list[Any], loads: list[torch.Tensor]) -> torch.Tensor:
+        """Every MoE layer's load ``[layers, experts]`` in model order, on every rank: each
+        rank fills its stages' rows and the pipeline sums them (so the heatmap and the
+        balance statistics cover all stages)."""
+        args = self.model.args
+        total = args.n_layers + getattr(args, "mtp_depth", 0)
+        order = [i for i in range(total) if args.is_moe_layer(i)]
+        full = torch.zeros(len(order), args.n_routed_experts, device=self.device)
+        for part, load in zip(parts, loads, strict=True):
+            for layer, row in zip(moe_layer_ids(part), load, strict=True):
+                full[order.index(layer)] = row
+        dist.all_reduce(full, group=self.pp_group)
+        return full
+
+    def _stage_memory(self) -> dict[str, float]:
+        """``pp{r}_peak_memory_gib``: the peak memory of each rank of this rank's pipeline
+        (CUDA: peak allocated; CPU: peak resident set), so rank 0 logs every stage's."""
+        measured = memory_metrics(self.device)
+        peak = measured.get("memory_allocated_gib", measured.get("vmhwm_gib"))
+        value = torch.tensor([peak if peak is not None else measured["memory_gib"]])
+        value = value.to(self.device)
+        gathered = [torch.zeros_like(value) for _ in range(self.pp_group.size())]
+        dist.all_gather(gathered, value, group=self.pp_group)
+        return {f"pp{r}_peak_memory_gib": self.reads.scalar(v[0]) for r, v in enumerate(gathered)}
 
 
 def _document_kwargs(tokens: torch.Tensor, bos: int | None) -> dict[str, torch.Tensor]:
