@@ -138,9 +138,17 @@ def test_stages_hold_whole_blocks_and_chain_to_the_models_output_and_mtp() -> No
     names = set(first.state_dict()) | set(last.state_dict())
     assert names == set(model.state_dict())  # same names: checkpoints see one model
     tokens = torch.randint(0, args.vocab_size, (2, 16))
+    # Document masking reaches every stage: two documents per row, positions restarting.
+    docs = {
+        "positions": torch.cat([torch.arange(6), torch.arange(10)]).repeat(2, 1),
+        "document_ids": torch.cat([torch.zeros(6), torch.ones(10)]).long().repeat(2, 1),
+    }
+    for kwargs in ({}, docs):
+        with torch.no_grad():
+            expected = model(tokens, **kwargs)
+            expected_mtp = model.mtp_outputs()[0]
+            got = last(*first(tokens, **kwargs), **kwargs)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        torch.testing.assert_close(last.mtp_outputs()[0], expected_mtp, rtol=0, atol=0)
     with torch.no_grad():
-        expected = model(tokens)
-        expected_mtp = model.mtp_outputs()[0]
-        got = last(*first(tokens))
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    torch.testing.assert_close(last.mtp_outputs()[0], expected_mtp, rtol=0, atol=0)
+        assert not torch.equal(model(tokens, **docs), model(tokens))  # the masking matters

@@ -6,8 +6,9 @@ One spawn of 4 gloo ranks trains two layouts one after the other (no second star
 - DeepSeek-V3 with one MTP depth (4 blocks), PP 2 × FSDP 2 with EP 2 inside, the
   ``Interleaved1F1B`` schedule (2 stages per rank), 3 steps.
 
-Each must give the losses, gradient norms and auxiliary / MTP losses of one process
-accumulating the same global batch, within 1e-5 relative (fp32): with one pipeline
+Each must give the losses, gradient norms, auxiliary / MTP losses and expert-load
+statistics (every stage's MoE layers, in model order) of one process accumulating the same
+global batch, within 1e-5 relative (fp32): with one pipeline
 microbatch per accumulation step the pipeline computes the same per-microbatch losses and
 the schedule's ``1 / n_microbatches`` gradient scale is the accumulation's ``1 / accum``;
 only the order of the floating-point sums differs (FSDP's reduce-scatter, the pipeline's
@@ -31,7 +32,7 @@ from train.helpers import TINY_DEEPSEEK, read_metrics, run_ranks, tiny_job, writ
 
 pytestmark = pytest.mark.slow
 
-KEYS = ("loss", "grad_norm", "moe_aux_loss")
+KEYS = ("loss", "grad_norm", "moe_aux_loss", "moe_max_load_ratio")
 
 
 def _job(root: Path, tokens: Path, model: str, steps: int, **sections: Any) -> dict[str, Any]:
@@ -72,6 +73,8 @@ def _assert_same(ours: list[dict], theirs: list[dict], keys: tuple[str, ...], na
     for mine, reference in zip(ours, theirs, strict=True):
         for key in keys:
             assert mine[key] == pytest.approx(reference[key], rel=1e-5), (name, mine["step"], key)
+        # Token counts are integers: the per-layer fractions are the same numbers.
+        assert mine["expert_load"] == reference["expert_load"], (name, mine["step"])
 
 
 def test_pipelined_layouts_train_like_one_process_and_resume_on_one(tmp_path: Path) -> None:
@@ -108,6 +111,9 @@ def test_pipelined_layouts_train_like_one_process_and_resume_on_one(tmp_path: Pa
         read_metrics(tmp_path / "v3_pp" / "job"), v3_one, (*KEYS, "mtp_loss"), "v3 interleaved"
     )
     assert v2_one[-1]["loss"] < v2_one[0]["loss"]  # it learns, so equal losses mean something
+    # Rank 0 logs the peak memory of every rank of its pipeline (one per stage group).
+    for row in read_metrics(tmp_path / "v2_pp" / "job"):
+        assert row["pp0_peak_memory_gib"] > 0 and row["pp1_peak_memory_gib"] > 0
 
     # The PP 2 checkpoint of step 3 (each stage saved its part) continues on one process.
     shutil.copytree(tmp_path / "v2_pp_ckpt" / "step-3", tmp_path / "resume_ckpt" / "step-3")
