@@ -14,6 +14,7 @@ from titan_kedro.models.deepseek_v2 import flops_per_token
 from titan_kedro.models.pipeline_split import balanced_layout, stage_costs
 from titan_kedro.models.registry import get_train_spec
 from titan_kedro.models.resolve import resolve_job_config
+from titan_kedro.train.pipeline import stage_config
 from titan_kedro.train.pipeline.stages import make_stage
 
 
@@ -152,3 +153,21 @@ def test_stages_hold_whole_blocks_and_chain_to_the_models_output_and_mtp() -> No
         torch.testing.assert_close(last.mtp_outputs()[0], expected_mtp, rtol=0, atol=0)
     with torch.no_grad():
         assert not torch.equal(model(tokens, **docs), model(tokens))  # the masking matters
+
+
+@pytest.mark.parametrize(
+    ("mode", "blocks", "expected"),
+    [("selective", None, ["2", "4"]), ("auto", ["0", "3"], ["3"]), ("full", None, None)],
+)
+def test_a_stage_recomputes_the_blocks_it_would_without_pipelining(
+    mode: str, blocks: list[str] | None, expected: list[str] | None
+) -> None:
+    raw = _raw()
+    raw["training"] |= {"activation_checkpoint": mode, "activation_checkpoint_blocks": blocks}
+    cfg = resolve_job_config(raw, source="test").config
+    stage = torch.nn.Module()
+    stage.layers = torch.nn.ModuleDict({name: torch.nn.Identity() for name in ("2", "3", "4")})
+    stage_cfg = stage_config(cfg, stage)
+    # Selective means the model's even blocks (2 and 4 here), not the stage's first and third.
+    assert stage_cfg.training.activation_checkpoint_blocks == expected
+    assert cfg.training.activation_checkpoint == mode  # the job's own config is untouched

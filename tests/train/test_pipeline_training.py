@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from titan_kedro.models.deepseek_v2 import flops_per_token
 from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.train.trainer import Trainer
 from train.helpers import TINY_DEEPSEEK, read_metrics, run_ranks, tiny_job, write_token_dir
@@ -111,9 +112,14 @@ def test_pipelined_layouts_train_like_one_process_and_resume_on_one(tmp_path: Pa
         read_metrics(tmp_path / "v3_pp" / "job"), v3_one, (*KEYS, "mtp_loss"), "v3 interleaved"
     )
     assert v2_one[-1]["loss"] < v2_one[0]["loss"]  # it learns, so equal losses mean something
-    # Rank 0 logs the peak memory of every rank of its pipeline (one per stage group).
+    # Rank 0 logs the peak memory of every rank of its pipeline (one per stage group), and
+    # its TFLOP/s count the half of the model's FLOPs a stage computes over the whole step's
+    # time (bubble included); `tps` is 2 samples × 2 accumulation steps × 32 tokens a second.
+    model_flops = flops_per_token(resolve_job_config(v2_pp, source="test").model_args, 32)
     for row in read_metrics(tmp_path / "v2_pp" / "job"):
         assert row["pp0_peak_memory_gib"] > 0 and row["pp1_peak_memory_gib"] > 0
+        assert row["tps"] == pytest.approx(2 * 2 * 32 / row["step_time_s"], rel=1e-6)
+        assert row["tflops"] == pytest.approx(row["tps"] * model_flops / 2 / 1e12, rel=1e-6)
 
     # The PP 2 checkpoint of step 3 (each stage saved its part) continues on one process.
     shutil.copytree(tmp_path / "v2_pp_ckpt" / "step-3", tmp_path / "resume_ckpt" / "step-3")

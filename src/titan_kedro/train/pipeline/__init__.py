@@ -65,12 +65,18 @@ def build_pipeline(
     """
     layout = cfg.layout
     split = pipeline_layout(cfg, model_args, spec)
+    unknown = set(cfg.training.activation_checkpoint_blocks or ()) - set(model.layers)
+    if cfg.training.activation_checkpoint == "auto" and unknown:
+        raise ValueError(
+            f"training.activation_checkpoint_blocks names {sorted(unknown)}, which are not "
+            f"blocks of {type(model).__name__} (its blocks: {list(model.layers)})"
+        )
     ids = stage_ids(parallel_dims.pp_rank, layout.pp, layout.pp_stages_per_rank)
     parts = [make_stage(model, i, split, keep=k == len(ids) - 1) for k, i in enumerate(ids)]
     last = parts[-1]
     if last.pipeline_stage["last"] and uses_fused_loss(cfg, spec, last):
         loss_fn = FusedOutputLoss(defer_output_projection(last), compile=cfg.training.compile)
-    parts = [spec.parallelize_fn(part, parallel_dims, cfg) for part in parts]
+    parts = [spec.parallelize_fn(part, parallel_dims, stage_config(cfg, part)) for part in parts]
     for part in parts:
         part.train()
     group = parallel_dims.pp_mesh.get_group()
@@ -79,6 +85,24 @@ def build_pipeline(
         for part, i in zip(parts, ids, strict=True)
     ]
     return parts, loss_fn, stages
+
+
+def stage_config(cfg: Any, stage: nn.Module) -> Any:
+    """``cfg`` for parallelizing one stage: activation checkpointing by model-wide block ids.
+
+    ``selective`` recomputes the even blocks of the model (not of the stage) and ``auto``
+    the chosen blocks that the stage holds, as they would be without pipelining.
+    """
+    training = cfg.training
+    if training.activation_checkpoint not in ("selective", "auto"):
+        return cfg
+    chosen = set(training.activation_checkpoint_blocks or ())
+    if training.activation_checkpoint == "selective":
+        chosen = {name for name in stage.layers if int(name) % 2 == 0}
+    stage_cfg = cfg.model_copy(deep=True)
+    stage_cfg.training.activation_checkpoint = "auto"
+    stage_cfg.training.activation_checkpoint_blocks = [n for n in stage.layers if n in chosen]
+    return stage_cfg
 
 
 def pipeline_fields(stages: list[PipelineStage] | None, parallel_dims: Any) -> dict[str, Any]:
