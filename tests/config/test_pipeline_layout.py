@@ -14,6 +14,7 @@ from titan_kedro.models.deepseek_v2 import flops_per_token
 from titan_kedro.models.pipeline_split import balanced_layout, stage_costs
 from titan_kedro.models.registry import get_train_spec
 from titan_kedro.models.resolve import resolve_job_config
+from titan_kedro.plan.fake_step import measured_micro_batches
 from titan_kedro.train.pipeline import stage_config
 from titan_kedro.train.pipeline.stages import make_stage
 
@@ -171,3 +172,17 @@ def test_a_stage_recomputes_the_blocks_it_would_without_pipelining(
     # Selective means the model's even blocks (2 and 4 here), not the stage's first and third.
     assert stage_cfg.training.activation_checkpoint_blocks == expected
     assert cfg.training.activation_checkpoint == mode  # the job's own config is untouched
+
+
+def test_the_plan_measures_enough_micro_batches_to_fill_the_pipeline() -> None:
+    raw = _raw(pipeline_parallel_degree=4, pipeline_microbatch_size=None)
+    raw["model"]["overrides"] = {**TINY_DEEPSEEK, "n_layers": 4}
+    raw["launch"]["nproc_per_node"] = 4
+    raw["training"] |= {"local_batch_size": 2, "global_batch_size": 8}  # 4 micro-batches
+    cfg = resolve_job_config(raw, source="test").config
+    # 2 (the plan's usual) or 3 micro-batches of one sample group leave ranks of a 4-stage
+    # pipeline idle, so the plan measures all 4.
+    assert measured_micro_batches(cfg) == 4
+    raw["parallelism"]["pipeline_parallel_degree"] = 1
+    raw["launch"]["nproc_per_node"] = 1  # one rank accumulating the same 4 micro-batches
+    assert measured_micro_batches(resolve_job_config(raw, source="test").config) == 2
