@@ -103,11 +103,14 @@ def test_model_aware_pipeline_mistakes_fail_at_config_resolution(
         resolve_job_config(_raw(**parallelism), source="test")
 
 
-def test_validation_during_pipelined_training_is_refused_with_the_way_out() -> None:
+def test_pipelined_validation_needs_whole_steps_of_batches() -> None:
     raw = _raw()
-    raw["validation"] = {"freq": 2}
-    with pytest.raises(ConfigError, match=r"set validation.freq: 0"):
+    raw["training"]["global_batch_size"] = 16  # 1 data rank × 4 samples × 4 accumulation steps
+    raw["validation"] = {"freq": 2, "steps": 3}
+    with pytest.raises(ConfigError, match=r"multiple of 4; set validation.steps to 4"):
         resolve_job_config(raw, source="test")
+    raw["validation"]["steps"] = 8
+    assert resolve_job_config(raw, source="test").config.validation.steps == 8
 
 
 def test_the_balanced_split_weighs_costs_and_the_last_stages_head() -> None:

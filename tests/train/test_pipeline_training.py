@@ -14,8 +14,9 @@ the schedule's ``1 / n_microbatches`` gradient scale is the accumulation's ``1 /
 only the order of the floating-point sums differs (FSDP's reduce-scatter, the pipeline's
 all-reduce of the loss), which moves fp32 results by a few ulps (~1e-7 relative).
 
-The PP 2 checkpoint at step 3 then continues on one process: steps 4-6 must be the
-uninterrupted run's.
+The V2 runs validate at steps 3 and 6 (the pipelined run through ``schedule.eval``) and
+must agree there too. The PP 2 checkpoint at step 3 then continues on one process: steps
+4-6 must be the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from train.helpers import TINY_DEEPSEEK, read_metrics, run_ranks, tiny_job, writ
 pytestmark = pytest.mark.slow
 
 KEYS = ("loss", "grad_norm", "moe_aux_loss", "moe_max_load_ratio")
+VALIDATE = {"freq": 3}
 
 
 def _job(root: Path, tokens: Path, model: str, steps: int, **sections: Any) -> dict[str, Any]:
@@ -74,6 +76,9 @@ def _assert_same(ours: list[dict], theirs: list[dict], keys: tuple[str, ...], na
     for mine, reference in zip(ours, theirs, strict=True):
         for key in keys:
             assert mine[key] == pytest.approx(reference[key], rel=1e-5), (name, mine["step"], key)
+        assert ("val_loss" in mine) == ("val_loss" in reference), (name, mine["step"])
+        if "val_loss" in reference:
+            assert mine["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5), name
         # Token counts are integers: the per-layer fractions are the same numbers.
         assert mine["expert_load"] == reference["expert_load"], (name, mine["step"])
 
@@ -81,7 +86,13 @@ def _assert_same(ours: list[dict], theirs: list[dict], keys: tuple[str, ...], na
 def test_pipelined_layouts_train_like_one_process_and_resume_on_one(tmp_path: Path) -> None:
     tokens = write_token_dir(tmp_path / "tokens", n_train=4_000)
     off = {"checkpoint": {"enable": False}}
-    v2_one = _train(_job(tmp_path / "v2_one", tokens, "deepseek_v2", 6, **off))
+    # Validation at steps 3 and 6 over the same 4 held-out batches: 4 on one rank, 2 on
+    # each of the 2 data-parallel ranks of the pipelined run.
+    v2_one = _train(
+        _job(
+            tmp_path / "v2_one", tokens, "deepseek_v2", 6, validation=VALIDATE | {"steps": 4}, **off
+        )
+    )
     v3_one = _train(_job(tmp_path / "v3_one", tokens, "deepseek_v3", 3, **off))
     four = {"nproc_per_node": 4, "log_dir": str(tmp_path / "logs")}
     v2_pp = _job(
@@ -91,6 +102,7 @@ def test_pipelined_layouts_train_like_one_process_and_resume_on_one(tmp_path: Pa
         6,
         parallelism={"pipeline_parallel_degree": 2},
         launch=four,
+        validation=VALIDATE | {"steps": 2},
         checkpoint={"folder": str(tmp_path / "v2_pp_ckpt"), "interval": 3, "keep_latest_k": 2},
     )
     v3_pp = _job(
@@ -129,6 +141,7 @@ def test_pipelined_layouts_train_like_one_process_and_resume_on_one(tmp_path: Pa
         "deepseek_v2",
         6,
         checkpoint={"folder": str(tmp_path / "resume_ckpt"), "resume": "latest", "interval": 100},
+        validation=VALIDATE | {"steps": 4},
     )
     rows = _train(resumed)
     _assert_same(rows, v2_one[3:], KEYS, "pp2 -> pp1 resume")

@@ -70,11 +70,12 @@ def check_pipeline_model(cfg: Any, args: Any) -> None:
             "parallelism.pipeline_parallel_degree > 1 with fault_tolerance.enable is not "
             "supported (the replica groups' step is not pipelined); use one of them"
         )
-    if cfg.validation.freq:
+    accum = layout.grad_accum_steps
+    if cfg.validation.freq and cfg.validation.steps % accum:
         raise ValueError(
-            "validation.freq > 0 with parallelism.pipeline_parallel_degree > 1 is not "
-            "supported yet (validation runs the whole model on one rank); set validation.freq: "
-            "0 and evaluate the checkpoint (the evaluation pipeline loads it on one rank)"
+            f"validation.steps={cfg.validation.steps}: pipelined validation scores "
+            f"{accum} batches at a time (a step's accumulation), so it must be a multiple of "
+            f"{accum}; set validation.steps to {max(accum, cfg.validation.steps // accum * accum)}"
         )
 
 

@@ -286,6 +286,9 @@ class Trainer:
 
         Every rank scores its share of the batches; the mean is over all of them.
         """
+        if self.stages:  # through the pipeline schedule (train/pipeline/step.py)
+            val_loss = self.step_fn.evaluate(self._validation_loader(), self.val_batches)
+            return {"val_loss": val_loss, "val_perplexity": perplexity(val_loss)}
         with self.mixed_precision():
             val_loss, _ = mean_loss(
                 self.model,

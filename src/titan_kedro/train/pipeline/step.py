@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,6 +154,56 @@ class PipelineTrainStep(TrainStep):
                 metrics.update(reads.expert_load_stats(load))
         metrics.update(self._stage_memory())
         return metrics
+
+    def evaluate(
+        self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], n_batches: int
+    ) -> float:
+        """Mean loss over ``n_batches`` held-out batches per rank, run through the schedule.
+
+        The batches go in groups of ``grad_accum_steps`` (a training step's samples, so the
+        schedule's microbatch count holds); a remainder of fewer is not scored. The mean is
+        over every microbatch of every data-parallel rank (per batch, as ``validation.
+        mean_loss`` averages, when the microbatch is the local batch).
+
+        Raises:
+            ValueError: Fewer batches than one group.
+        """
+        accum, n_micro = self.config.layout.grad_accum_steps, self.config.layout.n_microbatches
+        groups = n_batches // accum
+        if groups == 0:
+            raise ValueError(
+                f"validation.steps gives {n_batches} batch(es) per rank, fewer than the "
+                f"{accum} a pipelined step scores at once; raise validation.steps to {accum}"
+            )
+        total = torch.zeros((), device=self.device)
+        source = iter(batches)
+        for part in self.model_parts:
+            part.eval()
+        try:
+            with torch.no_grad(), self.mixed_precision():
+                for _ in range(groups):
+                    pairs = [next(source) for _ in range(accum)]
+                    tokens = torch.cat([i for i, _ in pairs]).to(self.device)
+                    target = torch.cat([t for _, t in pairs]).to(self.device)
+                    losses: list[torch.Tensor] = []
+                    first = self.model_parts[0].pipeline_stage["first"]
+                    self.schedule.eval(
+                        *((tokens,) if first else ()),
+                        target=target if self.last_stage is not None else None,
+                        losses=losses,
+                        **_document_kwargs(tokens, self.document_bos),
+                    )
+                    for loss in losses:
+                        total += loss.detach().float()
+        finally:
+            for part in self.model_parts:
+                part.train()
+            self._recorded = {}
+            for part in self.model_parts:
+                take_aux_values(part)
+        dist.all_reduce(total, group=self.pp_group)
+        dist.all_reduce(total, group=self.dp_group)
+        return self.reads.scalar(total / (groups * n_micro * self.dp_degree))
 
     def _whole_model_load(self, parts: list[Any], loads: list[torch.Tensor]) -> torch.Tensor:
         """Every MoE layer's load ``[layers, experts]`` in model order, on every rank: each
