@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from titan_kedro.models.deepseek_v2 import flops_per_token
 from titan_kedro.models.resolve import resolve_job_config
+from titan_kedro.train.checkpoint.safe_load import load_model_weights
 from titan_kedro.train.trainer import Trainer
 from train.helpers import TINY_DEEPSEEK, read_metrics, run_ranks, tiny_job, write_token_dir
 
@@ -145,3 +147,9 @@ def test_pipelined_layouts_train_like_one_process_and_resume_on_one(tmp_path: Pa
     )
     rows = _train(resumed)
     _assert_same(rows, v2_one[3:], KEYS, "pp2 -> pp1 resume")
+    # Evaluation and HF export read a checkpoint into a plain model: every weight is there.
+    resolved = resolve_job_config(v2_pp, source="test")
+    model = resolved.spec.build_model(resolved.model_args)
+    before = model.output.weight.clone()
+    load_model_weights(tmp_path / "v2_pp_ckpt" / "step-6", model)
+    assert not torch.equal(model.output.weight, before)
