@@ -71,8 +71,11 @@ def _stage_forward(
     positions: torch.Tensor | None = None,
     document_ids: torch.Tensor | None = None,
 ) -> Any:
+    """A stage's forward: tokens (first stage) or the previous stage's hidden state (and,
+    with MTP, the token embeddings) in; the next stage's input, or on the last stage what
+    the loss takes (logits, or hidden states under the fused loss), out."""
     info = self.pipeline_stage
-    record = not info["probe"]
+    record = not info["probe"]  # torch's shape inference records nothing
     if info["first"]:
         h = embeddings = self.tok_embeddings(x)
         shape_of = x
@@ -87,14 +90,15 @@ def _stage_forward(
         out: Any = self.output(self.norm(h)).float()
     else:
         out = (h, embeddings) if info["mtp"] else h
-    if info["moe"] and record:
-        info["aux"].append(self.moe_aux_loss().detach().float())
-    aux = self.moe_aux_loss() if info["moe"] and self.training else None
-    if aux is not None and aux.requires_grad:
+    if not info["moe"]:
+        return out
+    aux = self.moe_aux_loss()  # this stage's MoE layers (and MTP blocks) of this forward
+    if record:
+        info["aux"].append(aux.detach().float())
+    if self.training and aux.requires_grad:
         if isinstance(out, tuple):
-            out = (AddAuxGrad.apply(out[0], aux), out[1])
-        else:
-            out = AddAuxGrad.apply(out, aux)
+            return AddAuxGrad.apply(out[0], aux), out[1]
+        return AddAuxGrad.apply(out, aux)
     return out
 
 
