@@ -3,7 +3,7 @@ continues without it.
 
 DeepSeek-V2 (MLA with q-LoRA, a dense block, MoE blocks with shared experts, the balance
 loss and the routing bias, two blocks recomputed in backward) on 4 ranks as TP 2 × FSDP 2
-with EP 2 folded onto the TP ranks, and Llama 3 (GQA) as TP 2 on 2 ranks, must give the
+with EP 2 folded onto the TP ranks, and Llama 3 (GQA) as TP 2 × PP 2 on 4 ranks, must give the
 losses, gradient norms, auxiliary and validation losses of one process that accumulates
 the same global batch, within 1e-5 over 6 steps in float32 (only the reduction order
 differs). The DeepSeek run's step-3 checkpoint,
@@ -136,17 +136,22 @@ def test_deepseek_tp2_fsdp2_ep2_trains_like_one_process_and_resumes_on_tp1(
     )
 
 
-def test_llama3_tp2_trains_and_validates_like_one_process(tmp_path: Path) -> None:
+def test_llama3_tp2_pp2_trains_and_validates_like_one_process(tmp_path: Path) -> None:
+    """Tensor parallelism inside each of 2 pipeline stages (1 block each) on 4 ranks."""
     tokens = write_token_dir(tmp_path / "tokens", n_train=4_000)
-    parallel = _job(tmp_path, tokens, "llama", "tp2", parallelism={"tensor_parallel_degree": 2})
-    run_worker(parallel, nproc=2, timeout_s=300)
-    one = _job(tmp_path, tokens, "llama", "one")
+    # A pipelined step scores its held-out batches 4 at a time (the accumulation steps).
+    validation = {"freq": len(STEPS), "steps": 4}
+    layout = {"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2}
+    parallel = _job(tmp_path, tokens, "llama", "tp2_pp2", parallelism=layout, validation=validation)
+    run_worker(parallel, nproc=4, timeout_s=300)
+    one = _job(tmp_path, tokens, "llama", "one", validation=validation)
     _one_process([one])
 
     reference = _reference(one)
     assert "val_loss" in reference[-1]
     rows = read_metrics(parallel["job"]["dump_folder"])
     _assert_same(rows, reference, KEYS["llama"], "TP")
-    # Throughput per rank: a TP 2 group shares its 4 micro-batches × 2 × 32 tokens per step.
+    # Throughput per rank: a TP 2 group shares its 4 micro-batches × 2 × 32 tokens per step
+    # (the pipeline's ranks train the same samples; each computes its stage's FLOPs).
     for row in rows:
         assert row["tps"] * row["step_time_s"] == pytest.approx(4 * 2 * 32 / 2)

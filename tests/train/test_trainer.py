@@ -12,6 +12,7 @@ import torch
 from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.runs.resume import latest_checkpoint, list_checkpoints
 from titan_kedro.train.checkpoint.safe_load import load_model_weights
+from titan_kedro.train.fused_loss import FusedOutputLoss
 from titan_kedro.train.trainer import NonFiniteLossError, Trainer
 from titan_kedro.train.validation import mean_loss
 from train.helpers import (
@@ -146,7 +147,7 @@ def test_metrics_validation_moe_hooks_and_weights(tmp_path: Path, token_dir: Pat
     )
     trainer = _trainer(raw)
     try:
-        assert trainer.fused_loss  # the trainer's model returns hidden states
+        assert isinstance(trainer.loss_fn, FusedOutputLoss)  # the model returns hidden states
         bias_before = trainer.model.expert_bias.clone()
         trainer.train()
         bias_changed = not torch.equal(trainer.model.expert_bias, bias_before)

@@ -11,16 +11,79 @@ global batch. Two data-parallel numbers have two names:
 - ``data_ranks``: every rank that reads different data (``dp_degree × replica_groups``);
   the global batch is ``local_batch_size × data_ranks × grad_accum_steps``.
 
-Tensor parallelism (``tp``) is the innermost degree: the world of one group is
-``dp_degree × tp`` (pipeline parallelism adds ``pp`` in front); the ``tp`` ranks of a
-data-parallel rank read the same batch. Expert parallelism borrows from ``dp_shard × tp``
-(torchtitan's rule), so ``ep`` must divide that product.
+The world of one group is ``pp × dp_degree × tp``, outermost first. Tensor parallelism
+(``tp``) is innermost; the ``tp`` ranks of a data-parallel rank read the same batch.
+Expert parallelism borrows from ``dp_shard × tp`` (torchtitan's rule), so ``ep`` must
+divide that product. Pipeline parallelism (``pp``) splits the model's blocks into stages
+held by different ranks; each stage is data-parallel over ``dp_degree`` ranks, and every
+rank of one pipeline reads the same samples. Its step runs ``n_microbatches =
+local_batch_size × grad_accum_steps / pp_microbatch_size`` microbatches through the schedule (``train/pipeline``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+PP_SCHEDULES = ("1F1B", "Interleaved1F1B")
+"""Pipeline schedules of ``torch.distributed.pipelining`` this project trains with.
+
+``ZBVZeroBubble`` and ``DualPipeV`` split each backward into an input and a weight part
+by autograd-graph surgery; the fused output loss computes its weight gradient inside its
+forward and the MoE layers route through custom autograd functions, so they are refused
+rather than trained untested."""
+INTERLEAVED_SCHEDULES = ("Interleaved1F1B",)
+"""Schedules that run several stages per pipeline rank."""
+
+
+def check_pipeline(layout: Layout) -> None:
+    """Refuse a pipeline that torch's schedules cannot run (names the key and the fix).
+
+    Raises:
+        ValueError: An unknown schedule, stages per rank that do not fit it, a microbatch
+            size that does not split the rank's samples, or too few microbatches.
+    """
+    schedule, pp, per_rank = layout.pp_schedule, layout.pp, layout.pp_stages_per_rank
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(
+            f"parallelism.pipeline_schedule={schedule!r} is not supported; use one of "
+            f"{', '.join(PP_SCHEDULES)}"
+        )
+    interleaved = schedule in INTERLEAVED_SCHEDULES
+    if interleaved and per_rank < 2:
+        raise ValueError(
+            f"parallelism.pipeline_stages_per_rank={per_rank}: {schedule} needs 2 or more "
+            "stages per rank (or use pipeline_schedule: 1F1B)"
+        )
+    if not interleaved and per_rank != 1:
+        raise ValueError(
+            f"parallelism.pipeline_stages_per_rank={per_rank}: {schedule} runs one stage per "
+            "rank; set it to 1, or use pipeline_schedule: Interleaved1F1B"
+        )
+    if layout.pp_microbatch_size < 1:
+        raise ValueError("parallelism.pipeline_microbatch_size must be ≥ 1")
+    samples = layout.local_batch_size * layout.grad_accum_steps
+    if samples % layout.pp_microbatch_size:
+        raise ValueError(
+            f"parallelism.pipeline_microbatch_size={layout.pp_microbatch_size} does not divide "
+            f"the {samples} samples each rank trains per step (training.local_batch_size "
+            f"{layout.local_batch_size} × {layout.grad_accum_steps} accumulation steps); "
+            "pick a divisor of it"
+        )
+    n_micro = samples // layout.pp_microbatch_size
+    if n_micro < pp:
+        raise ValueError(
+            f"{n_micro} pipeline microbatch(es) per step do not fill a {pp}-rank pipeline "
+            f"({schedule} needs at least {pp}); lower parallelism.pipeline_microbatch_size or "
+            "raise training.global_batch_size (more accumulation) or training.local_batch_size"
+        )
+    rounds = max(1, n_micro // pp)
+    if interleaved and n_micro % rounds:
+        raise ValueError(
+            f"{n_micro} pipeline microbatches per step: {schedule} needs a multiple of its "
+            f"{rounds} rounds (n_microbatches // pipeline degree {pp}); make the microbatches "
+            f"a multiple of {pp} (parallelism.pipeline_microbatch_size, training.global_batch_size)"
+        )
 
 
 @dataclass(frozen=True)
@@ -47,8 +110,18 @@ class Layout:
     """Micro-batches per optimizer step on each rank."""
     tp: int = 1
     """Tensor-parallel degree (``parallelism.tensor_parallel_degree``; innermost)."""
+    pp: int = 1
+    """Pipeline-parallel degree (``parallelism.pipeline_parallel_degree``; 1: none)."""
+    pp_schedule: str = "1F1B"
+    """Pipeline schedule (``parallelism.pipeline_schedule``), one of ``PP_SCHEDULES``."""
+    pp_microbatch_size: int = 0
+    """Samples per pipeline microbatch (0: ``local_batch_size``)."""
+    pp_stages_per_rank: int = 1
+    """Pipeline stages each pipeline rank holds (2 or more only for interleaved schedules)."""
 
     def __post_init__(self) -> None:
+        if not self.pp_microbatch_size:
+            object.__setattr__(self, "pp_microbatch_size", self.local_batch_size)
         degrees = {
             "world_size": self.world_size,
             "dp_replicate": self.dp_replicate,
@@ -58,18 +131,24 @@ class Layout:
             "local_batch_size": self.local_batch_size,
             "grad_accum_steps": self.grad_accum_steps,
             "tp": self.tp,
+            "pp": self.pp,
+            "pp_stages_per_rank": self.pp_stages_per_rank,
         }
         small = {name: value for name, value in degrees.items() if value < 1}
         if small:
             raise ValueError(f"layout degrees must be ≥ 1, got {small}")
-        if self.dp_replicate * self.dp_shard * self.tp != self.world_size:
+        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
+        if product != self.world_size:
+            pipeline = f"pipeline {self.pp} × " if self.pp > 1 else ""
             tensor = f" × tensor {self.tp}" if self.tp > 1 else ""
             raise ValueError(
-                f"parallelism: replicate {self.dp_replicate} × shard {self.dp_shard}{tensor} "
-                f"= {self.dp_replicate * self.dp_shard * self.tp}, but the world size "
-                f"is {self.world_size} (launch.nproc_per_node × launch.nnodes); set "
+                f"parallelism: {pipeline}replicate {self.dp_replicate} × shard "
+                f"{self.dp_shard}{tensor} = {product}, but the world size is "
+                f"{self.world_size} (launch.nproc_per_node × launch.nnodes); set "
                 "data_parallel_shard_degree: -1 or make the product equal the world size"
             )
+        if self.pp > 1 or self.pp_stages_per_rank > 1:
+            check_pipeline(self)
         if (self.dp_shard * self.tp) % self.ep:
             raise ValueError(
                 f"parallelism.expert_parallel_degree={self.ep} must divide the data-parallel "
@@ -90,6 +169,10 @@ class Layout:
         local_batch_size: int = 1,
         global_batch_size: int | None = None,
         tp: int = 1,
+        pp: int = 1,
+        pp_schedule: str = "1F1B",
+        pp_microbatch_size: int | None = None,
+        pp_stages_per_rank: int | None = None,
     ) -> Layout:
         """Resolve ``dp_shard = -1`` and the accumulation steps, then validate.
 
@@ -103,6 +186,11 @@ class Layout:
             global_batch_size: Samples per optimizer step over every data rank; None: no
                 accumulation.
             tp: Tensor-parallel degree.
+            pp: Pipeline-parallel degree.
+            pp_schedule: Pipeline schedule name.
+            pp_microbatch_size: Samples per pipeline microbatch; None: ``local_batch_size``.
+            pp_stages_per_rank: Stages per pipeline rank; None: 2 for interleaved schedules,
+                else 1.
 
         Raises:
             ValueError: Naming the config key at fault and how to fix it.
@@ -113,27 +201,35 @@ class Layout:
                 f"{world_size} (launch.nproc_per_node × launch.nnodes); pick a divisor of "
                 f"{world_size}, or change the number of ranks"
             )
+        if pp < 1 or (world_size // tp) % pp:
+            raise ValueError(
+                f"parallelism.pipeline_parallel_degree={pp} does not divide the world size "
+                f"{world_size} (launch.nproc_per_node × launch.nnodes) divided by "
+                f"parallelism.tensor_parallel_degree={tp}; pick a divisor of {world_size // tp} "
+                "or change launch.nproc_per_node"
+            )
+        dp_world = world_size // (pp * tp)
         if dp_shard == -1:
-            if dp_replicate < 1 or (world_size // tp) % dp_replicate:
+            if dp_replicate < 1 or dp_world % dp_replicate:
                 raise ValueError(
                     f"parallelism.data_parallel_replicate_degree={dp_replicate} does not divide "
-                    f"the world size {world_size} (launch.nproc_per_node × launch.nnodes) "
-                    f"divided by parallelism.tensor_parallel_degree={tp}; pick a divisor of "
-                    f"{world_size // tp}"
+                    f"the data-parallel ranks {dp_world} (world size {world_size} / pipeline "
+                    f"degree {pp} / tensor-parallel degree {tp}); pick a divisor of {dp_world}"
                 )
-            dp_shard = world_size // (dp_replicate * tp)
+            dp_shard = dp_world // dp_replicate
         accum = 1
         if global_batch_size is not None:
-            data_ranks = world_size // tp * replica_groups
+            data_ranks = dp_world * replica_groups
             per_micro_batch = local_batch_size * data_ranks
             if per_micro_batch < 1 or global_batch_size % per_micro_batch:
                 raise ValueError(
                     f"training.global_batch_size={global_batch_size} must be a multiple of "
                     f"training.local_batch_size={local_batch_size} × data ranks {data_ranks} "
-                    f"(world size {world_size} / tensor parallel {tp} × replica groups "
-                    f"{replica_groups})"
+                    f"(data-parallel ranks {dp_world} × replica groups {replica_groups})"
                 )
             accum = global_batch_size // per_micro_batch
+        if pp_stages_per_rank is None:
+            pp_stages_per_rank = 2 if pp_schedule in INTERLEAVED_SCHEDULES else 1
         return cls(
             world_size=world_size,
             dp_replicate=dp_replicate,
@@ -143,6 +239,10 @@ class Layout:
             local_batch_size=local_batch_size,
             grad_accum_steps=accum,
             tp=tp,
+            pp=pp,
+            pp_schedule=pp_schedule,
+            pp_microbatch_size=pp_microbatch_size or local_batch_size,
+            pp_stages_per_rank=pp_stages_per_rank,
         )
 
     @classmethod
@@ -158,7 +258,21 @@ class Layout:
             local_batch_size=training.local_batch_size,
             global_batch_size=training.global_batch_size,
             tp=parallelism.tensor_parallel_degree,
+            pp=parallelism.pipeline_parallel_degree,
+            pp_schedule=parallelism.pipeline_schedule,
+            pp_microbatch_size=parallelism.pipeline_microbatch_size,
+            pp_stages_per_rank=parallelism.pipeline_stages_per_rank,
         )
+
+    @property
+    def pp_stages(self) -> int:
+        """Pipeline stages in all (``pp × pp_stages_per_rank``)."""
+        return self.pp * self.pp_stages_per_rank
+
+    @property
+    def n_microbatches(self) -> int:
+        """Pipeline microbatches per optimizer step (each rank's samples of the step)."""
+        return self.local_batch_size * self.grad_accum_steps // self.pp_microbatch_size
 
     @property
     def dp_degree(self) -> int:

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from titan_kedro.config.load import ConfigError, build_job_config, format_validation_error
 from titan_kedro.config.schema import JobConfig, ModelSection
+from titan_kedro.models.pipeline_split import check_pipeline_model
 from titan_kedro.models.registry import get_train_spec, import_custom_model, list_train_specs
 from titan_kedro.models.spec import TrainSpec, missing_flops_message
 from titan_kedro.models.tensor_parallel import check_tensor_parallel
@@ -192,6 +193,7 @@ def _resolve(raw: Mapping[str, Any], spec: TrainSpec, source: str) -> ResolvedJo
         if spec.validate_config_fn is not None:
             spec.validate_config_fn(cfg, args)
         check_tensor_parallel(cfg, spec, args)
+        check_pipeline_model(cfg, args)
     except ValueError as err:
         raise ConfigError(f"invalid job config ({source}): {err}") from err
     return ResolvedJob(cfg, spec, args)

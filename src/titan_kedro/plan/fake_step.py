@@ -195,7 +195,7 @@ def measure_step(
         if checkpointed is None
         else with_checkpointed(resolved.config, checkpointed)
     )
-    micro_batches = min(cfg.layout.grad_accum_steps, MEASURED_MICRO_BATCHES)
+    micro_batches = measured_micro_batches(cfg)
     cfg = with_micro_batches(cfg, micro_batches)
     if fake:
         with torch.device("meta"):
@@ -273,6 +273,19 @@ def measure_step(
         checkpointed=wrapped,
         real_step_s=timed_s,
     )
+
+
+def measured_micro_batches(job_config: Any) -> int:
+    """``MEASURED_MICRO_BATCHES`` (at most the job's), or more when fewer would not fill
+    the job's pipeline (``Layout`` refuses a pipeline with too few microbatches)."""
+    accum = job_config.layout.grad_accum_steps
+    for micro_batches in range(min(accum, MEASURED_MICRO_BATCHES), accum):
+        try:
+            with_micro_batches(job_config, micro_batches).layout  # noqa: B018
+        except ValueError:
+            continue
+        return micro_batches
+    return accum
 
 
 def with_micro_batches(job_config: Any, micro_batches: int) -> Any:

@@ -46,6 +46,7 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: float = 2.0,
     foreach: bool | None = None,
+    holders: int | None = None,
 ) -> torch.Tensor:
     """Clip gradients in place to ``max_norm`` and return the global norm before clipping.
 
@@ -54,6 +55,9 @@ def clip_grad_norm_(
         max_norm: Largest allowed global norm; ``0`` only measures the norm.
         norm_type: The p of the p-norm (``inf`` for the max norm).
         foreach: Use the foreach kernels (None: torch decides).
+        holders: Ranks that hold each parameter (None: the whole world); under pipeline
+            parallelism a stage's parameters live on ``world / pp`` ranks, and the one
+            all-reduce over the world adds the stages' norms.
 
     Returns:
         A plain float32 scalar tensor with the norm over the full (unsharded) gradients,
@@ -66,7 +70,7 @@ def clip_grad_norm_(
     world = dist.get_world_size() if dist.is_initialized() else 1
     by_copies: dict[int, list[torch.Tensor]] = {}
     for grad in grads:
-        local, copies = _local_and_copies(grad, world)
+        local, copies = _local_and_copies(grad, holders or world)
         if local.numel():
             by_copies.setdefault(copies, []).append(local)
     device = grads[0].device

@@ -93,6 +93,17 @@ def peak_tflops(device: torch.device, compute_dtype: torch.dtype, override: floa
     return measure_matmul_tflops(compute_dtype, device)
 
 
+def step_counts(spec: Any, model_args: Any, layout: Any, seq_len: int) -> tuple[float, int, int]:
+    """``(flops_per_token, tokens_per_step_local, tokens_per_step_global)`` of one rank.
+
+    A pipeline rank computes ``1 / pp`` of the model (its step time includes the bubble),
+    and a tensor-parallel group shares its tokens, so MFU stays per rank and honest.
+    """
+    flops = spec.training_flops_per_token(model_args, seq_len) / layout.pp
+    per_group = layout.local_batch_size * seq_len * layout.grad_accum_steps
+    return flops, per_group // layout.tp, layout.global_batch_size * seq_len
+
+
 def memory_gib(device: torch.device) -> float:
     """Peak reserved GPU memory, or this process's resident memory on CPU, in GiB."""
     if device.type == "cuda":

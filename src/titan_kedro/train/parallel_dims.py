@@ -1,10 +1,14 @@
 """The device meshes of a job's layout (the degrees: ``config/layout.Layout``).
 
-Dense parameters see the world as ``(dp_replicate, dp_shard, tp)`` (tensor parallelism
-innermost, so its ranks are neighbours on one node). Sparse (routed-expert) parameters see
-the same ranks as ``(dp_replicate, dp_shard_mod_ep, ep)``: expert parallelism borrows its
-ranks from ``dp_shard × tp``, the innermost first, as torchtitan's ``efsdp × ep`` does:
+The world is ``(pp, dp_replicate, dp_shard, tp)``, outermost first: pipeline stages
+outermost (rank ``r`` is in stage ``r // (dp_degree × tp)``), then data parallelism inside
+each stage, tensor parallelism innermost (so its ranks are neighbours on one node). Sparse
+(routed-expert) parameters see a stage's ranks as ``(dp_replicate, dp_shard_mod_ep, ep)``:
+expert parallelism borrows its ranks from ``dp_shard × tp``, the innermost first, as
+torchtitan's ``efsdp × ep`` does:
 
+- ``pp`` is the pipeline mesh: its ranks hold different stages of the same samples and
+  pass activations point to point (``train/pipeline``);
 - ``dp_shard`` (with ``dp_replicate`` for HSDP) is the FSDP mesh of dense parameters;
 - ``tp`` is the tensor-parallel mesh (``models/tensor_parallel``); its ranks hold
   different sequence shards between blocks, which is what lets EP borrow them;
@@ -12,10 +16,10 @@ ranks from ``dp_shard × tp``, the innermost first, as torchtitan's ``efsdp × e
   tokens with all-to-all;
 - ``dp_shard_mod_ep = dp_shard × tp / ep`` (with ``dp_replicate`` for HSDP) is the FSDP
   mesh of expert parameters, which are already split ``ep`` ways;
-- ``dp`` (``Layout.dp_degree`` ranks, 1-D: the world of one replica group without
+- ``dp`` (``Layout.dp_degree`` ranks, 1-D: the ranks of this rank's stage without
   ``tp``) is data parallelism: its ranks read different data, and losses are averaged
   over it (across replica groups, ``ft/`` reduces again); expert loads are summed over
-  every rank (``load_group``).
+  every rank of the stage (``load_group``).
 
 Size-1 dimensions are kept, so the same names exist in every layout.
 """
@@ -30,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titan_kedro.config.layout import Layout
 
-MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "ep")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep")
 DENSE_DIMS = ("dp_replicate", "dp_shard", "tp")
 
 
@@ -46,6 +50,7 @@ class ParallelDims:
     _dense_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _flat_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _pp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def from_config(cls, cfg: Any, world_size: int, device: torch.device) -> ParallelDims:
@@ -84,6 +89,14 @@ class ParallelDims:
         return self.layout.tp
 
     @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
     def dp_degree(self) -> int:
         """Data-parallel ranks of this replica group (gradients are reduced over them)."""
         return self.layout.dp_degree
@@ -107,34 +120,49 @@ class ParallelDims:
         return self.layout.dp_shard_mod_ep
 
     def build_mesh(self) -> DeviceMesh:
-        """Create the meshes (needs an initialised process group); returns the 3-D world mesh.
+        """Create the meshes (needs an initialised process group); returns the 4-D world mesh.
 
-        The 1-D world mesh is unflattened twice, into ``(dp_replicate, dp_shard, tp)`` for
-        dense parameters and into ``(dp_replicate, dp_shard_mod_ep, ep)`` for experts, so
-        rank ``r`` sits at the same place in both; ``dp`` flattens the dense mesh's data
-        dimensions (without ``tp``, the world itself).
+        The ``(pp, stage)`` mesh's ``stage`` dimension (every rank of one pipeline stage) is
+        unflattened twice, into ``(dp_replicate, dp_shard, tp)`` for dense parameters and
+        into ``(dp_replicate, dp_shard_mod_ep, ep)`` for experts, so rank ``r`` sits at the
+        same place in both; ``dp`` flattens the dense mesh's data dimensions (without
+        ``tp``, the stage itself).
         """
-        names = ("dp",) if self.tp == 1 else ("world",)
-        flat = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=names)
-        self._flat_mesh = flat
+        stage = "dp" if self.tp == 1 else "stage"
+        flat = init_device_mesh(
+            self.device.type, (self.pp, self.dp_degree * self.tp), mesh_dim_names=("pp", stage)
+        )
+        self._pp_mesh = flat["pp"]
+        self._flat_mesh = flat[stage]
         self._dense_mesh = flat._unflatten(
-            0, (self.dp_replicate, self.dp_shard, self.tp), DENSE_DIMS
+            1, (self.dp_replicate, self.dp_shard, self.tp), DENSE_DIMS
         )
         if self.tp == 1:
-            self._dp_mesh = flat
+            self._dp_mesh = flat["dp"]
         else:
             self._dp_mesh = self._dense_mesh["dp_replicate", "dp_shard"]._flatten("dp")
         self._world_mesh = flat._unflatten(
-            0, (self.dp_replicate, self.dp_shard_mod_ep, self.ep), MESH_DIMS
+            1, (self.dp_replicate, self.dp_shard_mod_ep, self.ep), MESH_DIMS[1:]
         )
         return self._world_mesh
 
     @property
     def world_mesh(self) -> DeviceMesh:
-        """3-D mesh ``(dp_replicate, dp_shard_mod_ep, ep)``."""
+        """4-D mesh ``(pp, dp_replicate, dp_shard_mod_ep, ep)``."""
         if self._world_mesh is None:
             raise RuntimeError("ParallelDims.build_mesh() has not been called yet")
         return self._world_mesh
+
+    @property
+    def pp_mesh(self) -> DeviceMesh:
+        """1-D mesh of the ranks that hold this rank's pipeline (one per stage group)."""
+        self.world_mesh  # noqa: B018
+        return self._pp_mesh
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's place in its pipeline (0: holds the first stage)."""
+        return self.pp_mesh.get_local_rank()
 
     @property
     def dp_mesh(self) -> DeviceMesh:
@@ -158,7 +186,7 @@ class ParallelDims:
 
     @property
     def load_group(self) -> torch.distributed.ProcessGroup:
-        """Every rank of the replica group: expert loads are summed over it (the ``tp``
+        """Every rank of this pipeline stage: expert loads are summed over it (the ``tp``
         ranks route different sequence shards)."""
         self.world_mesh  # noqa: B018
         return self._flat_mesh.get_group()

@@ -24,7 +24,7 @@ from titan_kedro.data.token_store import read_token_metadata
 from titan_kedro.ft.identity import data_shard, restarted_group
 from titan_kedro.models.parallel import autocast_dtype, training_dtypes
 from titan_kedro.models.resolve import ResolvedJob
-from titan_kedro.models.tensor_parallel import loss_context, loss_parallel_cross_entropy
+from titan_kedro.models.tensor_parallel import loss_context
 from titan_kedro.runs.folders import run_folder
 from titan_kedro.runs.identity import checkpoint_metadata
 from titan_kedro.tracking.mlflow_logger import MlflowMetricsSink
@@ -32,10 +32,10 @@ from titan_kedro.train.checkpoint.manager import CheckpointManager, ModelState
 from titan_kedro.train.device import env_int, init_process_group, resolve_device, set_cpu_threads
 from titan_kedro.train.documents import masking_bos_id
 from titan_kedro.train.faults import TestHooks
-from titan_kedro.train.fused_loss import FusedOutputLoss, defer_output_projection, uses_fused_loss
 from titan_kedro.train.hf_init import load_hf_weights
-from titan_kedro.train.metrics import MetricsLogger, memory_metrics, peak_tflops
+from titan_kedro.train.metrics import MetricsLogger, memory_metrics, peak_tflops, step_counts
 from titan_kedro.train.parallel_dims import ParallelDims
+from titan_kedro.train.pipeline import PipelineTrainStep, build_model_parts, pipeline_fields
 from titan_kedro.train.run_state import (
     TrainBatches,
     TrainState,
@@ -84,7 +84,6 @@ class Trainer:
         self.parallel_dims.build_mesh()
         self.dp_group = self.parallel_dims.dp_mesh.get_group()
         self._build_model()
-        self.model_parts = [self.model]
         self.optimizers = self.spec.build_optimizers_fn(self.model_parts, cfg)
         self.lr_schedulers = self.spec.build_lr_schedulers_fn(self.optimizers, cfg)
         # Different per rank so any sampling differs across ranks; restored on resume.
@@ -101,7 +100,7 @@ class Trainer:
         self._build_throughput()
         self._build_metrics()
         self.ft = self._build_ft()  # the other replica groups, after the logger
-        self.step_fn = TrainStep(
+        self.step_fn = (PipelineTrainStep if self.stages else TrainStep)(
             self.model_parts,
             self.loss_fn,
             self.optimizers,
@@ -117,6 +116,7 @@ class Trainer:
             mark_data=self.batches.mark,
             failure_context=lambda: (self.state.step, self.checkpointer.last_saved),
             load_group=self.parallel_dims.load_group,
+            **pipeline_fields(self.stages, self.parallel_dims),
         )
 
     def _init_process(self) -> None:
@@ -140,12 +140,12 @@ class Trainer:
         torch.use_deterministic_algorithms(cfg.training.deterministic, warn_only=True)
 
     def _build_model(self) -> None:
-        """The initialised model, its loss (fused or not), document masking, then sharding."""
+        """The initialised model, its loss (fused or not), document masking, then sharding
+        (this rank's pipeline stages under pipeline parallelism, ``train/pipeline``)."""
         cfg = self.cfg
         model = build_model(self.spec, self.model_args, cfg.job.seed, self.device)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.loss_fn = self.spec.build_loss_fn(cfg)
-        self.fused_loss = uses_fused_loss(cfg, self.spec, model)
         try:
             tokens_meta = read_token_metadata(cfg.data.token_dir)
         except FileNotFoundError:  # token files written by hand: no fingerprints, no BOS
@@ -153,13 +153,10 @@ class Trainer:
         self.document_bos = masking_bos_id(cfg, model, tokens_meta)
         # Recorded in every checkpoint's metadata.json; fixed for the whole run.
         self.run_metadata = checkpoint_metadata(cfg, tokens_meta)
-        if self.fused_loss:
-            self.loss_fn = FusedOutputLoss(
-                defer_output_projection(model), compile=cfg.training.compile
-            )
-        elif cfg.layout.tp > 1:
-            self.loss_fn = loss_parallel_cross_entropy(self.loss_fn, cfg)
-        self.model = self.spec.parallelize_fn(model, self.parallel_dims, cfg)
+        self.model_parts, self.loss_fn, self.stages = build_model_parts(
+            model, self.spec, self.model_args, self.parallel_dims, cfg=cfg, loss_fn=self.loss_fn
+        )
+        self.model = self.model_parts[0]
         self.model.train()
         # Mixed precision once: by FSDP's policy when sharded, else by autocast (one rank).
         self.autocast_dtype = autocast_dtype(self.model, cfg, self.device)
@@ -224,13 +221,9 @@ class Trainer:
         restore_per_rank(self.batches, state, same_world=same_world, reseed=reseed)
 
     def _build_throughput(self) -> None:
-        """FLOPs per token and tokens per step (per rank: a TP group shares its tokens)."""
-        seq_len = self.cfg.training.seq_len
-        self.flops_per_token = self.spec.training_flops_per_token(self.model_args, seq_len)
-        layout = self.parallel_dims.layout
-        per_group = layout.local_batch_size * seq_len * layout.grad_accum_steps
-        self.tokens_per_step_local = per_group // layout.tp
-        self.tokens_per_step_global = layout.global_batch_size * seq_len
+        """FLOPs per token and tokens per step of this rank (``metrics.step_counts``)."""
+        counts = step_counts(self.spec, self.model_args, self.cfg.layout, self.cfg.training.seq_len)
+        self.flops_per_token, self.tokens_per_step_local, self.tokens_per_step_global = counts
 
     def _build_metrics(self) -> None:
         """Rank 0's metrics logger and the device's peak TFLOP/s (others log nothing)."""
@@ -290,6 +283,9 @@ class Trainer:
 
         Every rank scores its share of the batches; the mean is over all of them.
         """
+        if self.stages:  # through the pipeline schedule (train/pipeline/step.py)
+            val_loss = self.step_fn.evaluate(self._validation_loader(), self.val_batches)
+            return {"val_loss": val_loss, "val_perplexity": perplexity(val_loss)}
         with self.mixed_precision(), loss_context(self.cfg.layout.tp)():
             val_loss, _ = mean_loss(
                 self.model,

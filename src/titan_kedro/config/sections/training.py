@@ -107,6 +107,21 @@ class ParallelismSection(Section):
     model's heads and MLP widths, its vocabulary and ``training.seq_len`` (checked before
     any worker starts). Routed experts stay on expert parallelism, which borrows these
     ranks (for a MoE model ``expert_parallel_degree`` must be a multiple of this). 1: none."""
+    pipeline_parallel_degree: StrictInt = Field(1, ge=1)
+    """Pipeline stages' ranks: the model's blocks are split into stages held by different
+    ranks (``train/pipeline``); the world is ``pipeline × replicate × shard × tensor`` (1: none)."""
+    pipeline_schedule: str = "1F1B"
+    """``torch.distributed.pipelining`` schedule: ``1F1B`` or ``Interleaved1F1B`` (several
+    stages per rank, a smaller bubble); anything else is refused with the list."""
+    pipeline_microbatch_size: StrictInt | None = Field(None, ge=1)
+    """Samples per pipeline microbatch; each rank's ``local_batch_size × accumulation
+    steps`` samples of a step are split into microbatches of this size (None:
+    ``training.local_batch_size``, one microbatch per accumulation step)."""
+    pipeline_stages_per_rank: StrictInt | None = Field(None, ge=1)
+    """Stages each pipeline rank holds (None: 2 for ``Interleaved1F1B``, 1 for ``1F1B``)."""
+    pipeline_layout: list[StrictInt] | None = None
+    """Main blocks per stage, in stage order (e.g. ``[3, 5]``); None: split to balance the
+    estimated FLOPs of each stage (``models/pipeline_split.py``)."""
 
 
 class FaultToleranceSection(Section):

@@ -97,7 +97,8 @@ def parallelize_deepseek_v2(model: nn.Module, parallel_dims: Any, job_config: An
     if parallel_dims.tp > 1:
         apply_deepseek_tensor_parallel(model, parallel_dims.tp_mesh)
     if parallel_dims.ep > 1:
-        if apply_expert_parallel(model, parallel_dims) == 0:
+        # A pipeline stage may hold only dense blocks; the model as a whole must have MoE.
+        if apply_expert_parallel(model, parallel_dims) == 0 and not model.args.n_moe_layers:
             raise ValueError(
                 "parallelism.expert_parallel_degree > 1 but the model has no MoE layers "
                 "(first_k_dense_replace >= n_layers); set expert_parallel_degree: 1"
