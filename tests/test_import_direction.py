@@ -20,6 +20,7 @@ LIBRARY = (
     "data",
     "models",
     "runs",
+    "storage",
     "train",
     "plan",
     "launch",
@@ -203,3 +204,8 @@ def test_runs_sit_below_training_and_launching() -> None:
     assert "runs" in graph["train"] and "runs" in graph["launch"], "the graph was read"
     above = {"train", "launch", "plan", "pipelines", "hooks"}
     assert not graph["runs"] & above, f"runs/ imports {sorted(graph['runs'] & above)}"
+
+
+def test_storage_sits_below_data_runs_and_training() -> None:
+    graph = _package_graph()
+    assert graph["storage"] <= set(), f"storage/ imports {sorted(graph['storage'])}"
