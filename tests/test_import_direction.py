@@ -208,4 +208,5 @@ def test_runs_sit_below_training_and_launching() -> None:
 
 def test_storage_sits_below_data_runs_and_training() -> None:
     graph = _package_graph()
+    assert "storage" in graph["runs"], "the graph was read: runs/ opens checkpoints through it"
     assert graph["storage"] <= set(), f"storage/ imports {sorted(graph['storage'])}"

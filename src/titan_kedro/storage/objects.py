@@ -89,6 +89,10 @@ def remove_prefix(location: str | os.PathLike[str]) -> None:
     fs, path = filesystem(location)
     if fs.exists(path):
         fs.rm(path, recursive=True)
+    if hasattr(fs, "call_s3"):  # a folder entry some servers keep (SeaweedFS: "<prefix>/")
+        bucket, key, _ = fs.split_path(path)
+        if key:
+            fs.call_s3("delete_object", Bucket=bucket, Key=key.rstrip("/") + "/")
     fs.invalidate_cache(path)
 
 
