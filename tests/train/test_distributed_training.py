@@ -114,6 +114,11 @@ def test_a_run_stopped_at_step_4_continues_from_s3_like_the_local_run(
     left = sorted(name.rsplit("/", 1)[1] for name in fs.ls(prefix))
     assert left == ["step-3", "step-6"], left  # the unmarked step-5 swept, the lock released
     assert fs.isfile(f"{prefix}/step-6/metadata.json")
+    secret = s3_bucket.server.secret.encode()  # in no output, file or object the run wrote
+    assert secret.decode() not in stopped.stdout + stopped.stderr + output
+    written = [p for p in (runs["root"] / "s3").rglob("*") if p.is_file()]
+    assert len(written) >= 3 and not [p for p in written if secret in p.read_bytes()]
+    assert not [k for k in fs.find(prefix) if fs.isfile(k) and secret in fs.cat_file(k)]
 
 
 def test_two_nodes_rendezvous_and_train_like_one_node(runs: dict[str, Path]) -> None:
