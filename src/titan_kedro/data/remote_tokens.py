@@ -15,26 +15,17 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from titan_kedro.storage.folders import CACHE_ENV, cache_root
 from titan_kedro.storage.objects import filesystem
 
-CACHE_ENV = "TITAN_KEDRO_CACHE_DIR"
+__all__ = ["CACHE_ENV", "RangedTokens", "cache_root", "cached_copy"]
+
 _DTYPE = np.dtype("<u4")
-
-
-def cache_root() -> Path:
-    """The node-local cache folder (``$TITAN_KEDRO_CACHE_DIR`` or under the temp folder)."""
-    configured = os.environ.get(CACHE_ENV)
-    return (
-        Path(configured)
-        if configured
-        else Path(tempfile.gettempdir()) / (f"titan-kedro-cache-{os.getuid()}")
-    )
 
 
 def _version(fs: Any, path: str) -> tuple[str, int]:
