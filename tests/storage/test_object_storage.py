@@ -66,3 +66,8 @@ def test_exclusive_create_and_compare_and_swap_on_the_server(s3_bucket: S3Bucket
     assert etag_and_modified(f"{s3_bucket.uri}/run/none") is None
     remove_prefix(f"{s3_bucket.uri}/run")
     assert etag_and_modified(lock) is None
+
+
+def test_compare_and_swap_outside_s3_is_refused_by_name() -> None:
+    with pytest.raises(NotImplementedError, match=r"S3-compatible servers \(s3://\) only"):
+        replace_if_unchanged("memory://bucket/run/writer.lock", b"x", '"etag"')

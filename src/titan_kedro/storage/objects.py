@@ -65,8 +65,16 @@ def replace_if_unchanged(location: str | os.PathLike[str], data: bytes, etag: st
 
     Returns:
         False when the object changed or vanished since ``etag`` was read.
+
+    Raises:
+        NotImplementedError: Not an S3 file system.
     """
     fs, path = filesystem(location)
+    if not hasattr(fs, "call_s3"):
+        raise NotImplementedError(
+            f"{location}: a compare-and-swap write (the run lock's take-over and heartbeat) "
+            "is implemented for S3 and S3-compatible servers (s3://) only"
+        )
     bucket, key, _ = fs.split_path(path)
     try:
         fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfMatch=etag)
