@@ -27,7 +27,7 @@ run: install
 # after; without root it fails at once naming the command that fixes it.
 test: install
 	$(BIN)/ruff check src tests benchmarks examples
-	tests/services.sh $(BIN)/python -m pytest $(PYTEST_ARGS)
+	TITAN_TEST_PYTHON=$(BIN)/python tests/services.sh $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks examples

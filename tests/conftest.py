@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 from kedro.config import OmegaConfigLoader
 
+from tests.storage_fixtures import s3_bucket, s3_server  # noqa: F401 (fixtures)
+
 REPO = Path(__file__).resolve().parents[1]
 
 # A suite started in the background by a shell without job control (`(make test &)`)

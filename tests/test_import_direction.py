@@ -20,6 +20,7 @@ LIBRARY = (
     "data",
     "models",
     "runs",
+    "storage",
     "train",
     "plan",
     "launch",
@@ -177,7 +178,7 @@ def test_packages_import_each_other_one_way() -> None:
 def test_config_and_models_sit_below_training() -> None:
     graph = _package_graph()
     assert graph["config"] <= set(), f"config imports {sorted(graph['config'])}"
-    assert graph["models"] <= {"config", "components"}, sorted(graph["models"])
+    assert graph["models"] <= {"config", "components", "storage"}, sorted(graph["models"])
     assert graph["components"] <= {"config"}, sorted(graph["components"])
 
 
@@ -203,3 +204,9 @@ def test_runs_sit_below_training_and_launching() -> None:
     assert "runs" in graph["train"] and "runs" in graph["launch"], "the graph was read"
     above = {"train", "launch", "plan", "pipelines", "hooks"}
     assert not graph["runs"] & above, f"runs/ imports {sorted(graph['runs'] & above)}"
+
+
+def test_storage_sits_below_data_runs_and_training() -> None:
+    graph = _package_graph()
+    assert "storage" in graph["runs"], "the graph was read: runs/ opens checkpoints through it"
+    assert graph["storage"] <= set(), f"storage/ imports {sorted(graph['storage'])}"

@@ -10,6 +10,7 @@ from titan_kedro.hooks import (
     ContinueRunHook,
     KeepLoggedParamsHook,
     MlflowRunTagsHook,
+    StorageCredentialsHook,
     ValidateJobConfigHook,
 )
 from titan_kedro.tracking.credentials import adopt_tracking_credentials, install_secret_filter
@@ -26,6 +27,7 @@ warnings.filterwarnings("ignore", message=r"register_new_resolver\(\) is depreca
 
 # kedro-mlflow registers its own hooks through its entry point.
 HOOKS = (
+    StorageCredentialsHook(),  # first: later hooks may read checkpoints on object storage
     ValidateJobConfigHook(),
     ContinueRunHook(),
     KeepLoggedParamsHook(),

@@ -74,3 +74,27 @@ def test_raw_and_token_splits_are_logged_with_contexts(tmp_path: Path) -> None:
         f"{shard.name}:{shard.stat().st_size}:{expected}".encode()
     ).hexdigest()[:16]
     assert by_name["c4-raw"].dataset.digest == raw_digest
+
+
+def test_object_storage_locations_are_shown_as_uris_with_the_same_digests(tmp_path: Path) -> None:
+    from titan_kedro.tracking.lineage import lineage_datasets
+
+    metadata = {
+        "fingerprint": "f" * 64,
+        "sources": [{"name": "c4-0.json.gz", "size_bytes": 5, "sha256": "c" * 64}],
+        "splits": {"train": {"file": "train.bin", "tokens": 4, "sha256": "a" * 64}},
+    }
+
+    def described(raw_dir: str, token_dir: str) -> dict[str, tuple[str, str]]:
+        data = {"source": "local", "raw_dir": raw_dir, "token_dir": token_dir}
+        return {
+            d.name: (json.loads(d.source.to_json())["uri"], d.digest)
+            for d, _ in lineage_datasets(metadata, data)
+        }
+
+    remote = described("s3://corpus/c4/", "s3://corpus/tokens")
+    local = described(str(tmp_path / "c4"), str(tmp_path / "tokens"))
+    assert remote["c4-raw"][0] == "s3://corpus/c4"
+    assert remote["tokens-train"][0] == "s3://corpus/tokens/train.bin"
+    assert local["tokens-train"][0] == str(tmp_path / "tokens" / "train.bin")
+    assert {k: v[1] for k, v in remote.items()} == {k: v[1] for k, v in local.items()}

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.storage_fixtures import S3Bucket
 from titan_kedro.config import dump_job_config
 from titan_kedro.launch.appdef import free_port
 from titan_kedro.launch.torchrun import torchrun_command
@@ -82,6 +83,42 @@ def test_a_one_rank_checkpoint_continues_on_two_fsdp_ranks(runs: dict[str, Path]
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     for step in (4, 5, 6):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-4), step
+
+
+def test_a_run_stopped_at_step_4_continues_from_s3_like_the_local_run(
+    runs: dict[str, Path], s3_bucket: S3Bucket
+) -> None:
+    """Checkpoints on the S3 test server; a save cut off (no completion marker) is skipped."""
+    job = tiny_job(runs["root"] / "s3", runs["tokens"], **JOB)
+    job["checkpoint"] = {**job["checkpoint"], "folder": f"{s3_bucket.uri}/checkpoints"}
+    stopped = run_worker(
+        job, extra_env={TEST_HOOKS_ENV: "1", CRASH_STEP_ENV: "4", CRASH_RANK_ENV: "0"}, check=False
+    )
+    assert stopped.returncode != 0
+    fs, prefix = s3_bucket.fs(), f"{s3_bucket.name}/checkpoints"
+    saved = fs.ls(f"{prefix}/step-3")
+    assert f"{prefix}/step-3/metadata.json" in saved and f"{prefix}/step-3/.metadata" in saved
+    for name in saved:  # a later save cut off before its marker: every file but metadata.json
+        if not name.endswith("/metadata.json"):
+            fs.copy(name, f"{prefix}/step-5/{name.rsplit('/', 1)[1]}")
+    job["checkpoint"] = {**job["checkpoint"], "resume": "latest"}
+    continued = run_worker(job)
+    output = continued.stdout + continued.stderr
+    assert f"resumed from s3://{prefix}/step-3 at step 3" in output
+    reference = step_losses(runs["single"] / "job")
+    resumed = step_losses(job["job"]["dump_folder"])
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=0), step
+    fs.invalidate_cache()
+    left = sorted(name.rsplit("/", 1)[1] for name in fs.ls(prefix))
+    assert left == ["step-3", "step-6"], left  # the unmarked step-5 swept, the lock released
+    assert fs.isfile(f"{prefix}/step-6/metadata.json")
+    secret = s3_bucket.server.secret.encode()  # in no output, file or object the run wrote
+    assert secret.decode() not in stopped.stdout + stopped.stderr + output
+    written = [p for p in (runs["root"] / "s3").rglob("*") if p.is_file()]
+    assert len(written) >= 3 and not [p for p in written if secret in p.read_bytes()]
+    assert not [k for k in fs.find(prefix) if fs.isfile(k) and secret in fs.cat_file(k)]
 
 
 def test_two_nodes_rendezvous_and_train_like_one_node(runs: dict[str, Path]) -> None:

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from titan_kedro.data.bad_input import SkipReport
+from titan_kedro.storage import as_path
 
 # Small buffers keep the reader's memory constant; they cost nothing next to tokenizing.
 _CHUNK = 1 << 16
@@ -66,7 +67,7 @@ def read_documents(
         max_line_bytes: Longer lines (decompressed bytes, without the newline) are skipped
             as ``line_too_long`` without being assembled.
     """
-    for line_no, raw, complete in _lines(Path(path), report, on_bytes, max_line_bytes):
+    for line_no, raw, complete in _lines(as_path(path), report, on_bytes, max_line_bytes):
         if raw is None:
             report.skip(
                 "line_too_long", line_no, f"longer than data.max_line_bytes={max_line_bytes}"

@@ -21,6 +21,7 @@ from titan_kedro.data.c4_reader import (
     text_of_record,
 )
 from titan_kedro.data.hub import hub_offline, hub_reachable
+from titan_kedro.storage import StoragePath, as_path
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def file_sha256(path: str | Path, chunk_bytes: int = 1 << 16) -> str:
     digest = hashlib.sha256()
     buffer = bytearray(chunk_bytes)
     view = memoryview(buffer)
-    with open(path, "rb") as handle:
+    with as_path(path).open("rb") as handle:  # a local file or an object (s3://…)
         while size := handle.readinto(buffer):
             digest.update(view[:size])
     return digest.hexdigest()
@@ -78,9 +79,10 @@ class DocumentSource(Protocol):
 
 @dataclass(frozen=True)
 class ShardFile:
-    """A local shard file as seen when listed: its identity for the incremental manifest."""
+    """A shard file (local or an object, ``s3://…``) as seen when listed: its identity for
+    the incremental manifest."""
 
-    path: Path
+    path: StoragePath
     name: str
     size: int
     mtime_ns: int
@@ -90,7 +92,7 @@ class ShardFile:
     @classmethod
     def from_path(cls, path: str | Path, name: str | None = None) -> ShardFile:
         """Stat ``path`` now."""
-        p = Path(path)
+        p = as_path(path, "a C4 shard")
         stat = p.stat()
         return cls(path=p, name=name or p.name, size=stat.st_size, mtime_ns=stat.st_mtime_ns)
 

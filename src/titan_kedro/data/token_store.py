@@ -1,7 +1,9 @@
 """Packed token files on disk: raw little-endian ``uint32`` streams read through ``np.memmap``.
 
 Layout of a token folder (``data.token_dir``): ``train.bin``, ``validation.bin`` (one
-packed stream each, ``BOS doc EOS BOS doc EOS …``) and ``metadata.json``.
+packed stream each, ``BOS doc EOS BOS doc EOS …``) and ``metadata.json``. The folder may be
+an object-storage URI (``s3://…``): a split is then read from a node-local copy
+(``remote_tokens.cached_copy``).
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ from typing import Any
 
 import numpy as np
 
+from titan_kedro.data.remote_tokens import cached_copy
+from titan_kedro.storage import StoragePath, as_path, is_remote
+
 TOKEN_DTYPE = np.dtype("<u4")
 METADATA_FILE = "metadata.json"
 
 
-def split_path(token_dir: str | Path, split: str) -> Path:
-    """Path of a split's token file."""
-    return Path(token_dir) / f"{split}.bin"
+def split_path(token_dir: str | Path, split: str) -> StoragePath:
+    """Path of a split's token file (a ``UPath`` under an object-storage folder)."""
+    return as_path(token_dir, "data.token_dir") / f"{split}.bin"
 
 
 def open_tokens(path: str | Path) -> np.ndarray:
@@ -47,21 +52,18 @@ def open_split(token_dir: str | Path, split: str) -> np.ndarray:
     """
     path = split_path(token_dir, split)
     if not path.is_file():
-        present = (
-            sorted(p.stem for p in Path(token_dir).glob("*.bin"))
-            if Path(token_dir).is_dir()
-            else []
-        )
+        folder = as_path(token_dir)
+        present = sorted(p.stem for p in folder.glob("*.bin")) if folder.is_dir() else []
         raise FileNotFoundError(
             f"no token file {path} (splits present: {', '.join(present) or 'none'}). Create the "
             "token files with `kedro run --pipelines data_processing`, or set data.token_dir"
         )
-    return open_tokens(path)
+    return open_tokens(cached_copy(str(path)) if is_remote(path) else path)
 
 
 def read_token_metadata(token_dir: str | Path) -> dict[str, Any]:
     """The ``metadata.json`` of a token folder (not a checkpoint's: ``read_checkpoint_metadata``)."""
-    path = Path(token_dir) / METADATA_FILE
+    path = as_path(token_dir, "data.token_dir") / METADATA_FILE
     if not path.is_file():
         raise FileNotFoundError(
             f"no {path}; create the token files with `kedro run --pipelines data_processing`"
@@ -86,25 +88,34 @@ def token_fingerprints(metadata: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def write_json_atomic(path: str | Path, data: Any) -> None:
-    """Write JSON through a temporary file and a rename, so readers never see half a file."""
+    """Write JSON through a temporary file and a rename, so readers never see half a file
+    (on object storage one PUT, which is atomic by itself)."""
+    text = json.dumps(data, indent=2, sort_keys=False) + "\n"
+    if is_remote(path):
+        as_path(path).write_text(text, encoding="utf-8")
+        return
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, p)
 
 
 class TokenFileWriter:
     """Append arrays to a raw binary file; it appears under its final name only on ``commit``.
 
-    Counts the items written and hashes the bytes (sha256) as they stream through.
+    Counts the items written and hashes the bytes (sha256) as they stream through. On
+    object storage it streams to the final name (a multipart upload): the object appears
+    whole when the upload completes at ``commit``, and ``abort`` discards it.
     """
 
     def __init__(self, path: str | Path, dtype: np.dtype | str = TOKEN_DTYPE) -> None:
-        self.path = Path(path)
+        self.path = as_path(path, "data.token_dir")
+        self.remote = is_remote(self.path)
         self.dtype = np.dtype(dtype)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = self.path.with_name(f".{self.path.name}.partial")
+        if not self.remote:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = self.path if self.remote else self.path.with_name(f".{self.path.name}.partial")
         self._fh = self._tmp.open("wb")
         self._sha = hashlib.sha256()
         self.count = 0
@@ -124,11 +135,16 @@ class TokenFileWriter:
     def commit(self) -> Path:
         """Close and move the file into place."""
         self._fh.close()
-        os.replace(self._tmp, self.path)
+        if not self.remote:
+            os.replace(self._tmp, self.path)
         return self.path
 
     def abort(self) -> None:
         """Close and delete the partial file."""
+        if self.remote and hasattr(self._fh, "discard"):
+            self._fh.discard()  # the multipart upload is aborted: no object appears
+            self._fh.closed = True  # nothing left to flush when it is collected
+            return
         self._fh.close()
         self._tmp.unlink(missing_ok=True)
 

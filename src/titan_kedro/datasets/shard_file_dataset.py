@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from kedro.io import AbstractDataset, DatasetError
 
 from titan_kedro.data.sources import ShardFile
+from titan_kedro.storage import as_path
 
 
 class ShardFileDataset(AbstractDataset[None, ShardFile]):
@@ -30,10 +30,10 @@ class ShardFileDataset(AbstractDataset[None, ShardFile]):
         """Create a dataset for one shard.
 
         Args:
-            filepath: Path of the shard file.
+            filepath: Path of the shard file, or its object-storage URI (``s3://…``).
             metadata: Free-form metadata (kedro-viz layer, …), ignored by Kedro.
         """
-        self._filepath = Path(filepath)
+        self._filepath = as_path(filepath, "a C4 shard")
         self.metadata = metadata
 
     def load(self) -> ShardFile:

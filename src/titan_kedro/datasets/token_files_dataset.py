@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from kedro.io import AbstractDataset, DatasetError
 
 from titan_kedro.data.packing import data_fingerprint
+from titan_kedro.data.remote_tokens import cached_copy
 from titan_kedro.data.token_store import (
     METADATA_FILE,
     TokenFileWriter,
@@ -18,6 +18,7 @@ from titan_kedro.data.token_store import (
     split_path,
     write_json_atomic,
 )
+from titan_kedro.storage import as_path, is_remote
 
 
 class TokenFilesDataset(AbstractDataset[Mapping[str, Any], dict[str, Any]]):
@@ -45,10 +46,11 @@ class TokenFilesDataset(AbstractDataset[Mapping[str, Any], dict[str, Any]]):
         """Create the dataset.
 
         Args:
-            path: Folder for ``<split>.bin`` and ``metadata.json`` (``data.token_dir``).
+            path: Folder for ``<split>.bin`` and ``metadata.json`` (``data.token_dir``); a
+                local path or an object-storage URI (``s3://…``).
             metadata: Free-form metadata (kedro-viz layer, …), ignored by Kedro.
         """
-        self._path = Path(path)
+        self._path = as_path(path, "token_files.path")
         self.metadata = metadata
 
     def load(self) -> dict[str, Any]:
@@ -58,7 +60,8 @@ class TokenFilesDataset(AbstractDataset[Mapping[str, Any], dict[str, Any]]):
             raise DatasetError(str(err)) from err
         loaded: dict[str, Any] = {"metadata": meta}
         for name, info in meta.get("splits", {}).items():
-            tokens = open_tokens(self._path / info.get("file", f"{name}.bin"))
+            file = self._path / info.get("file", f"{name}.bin")
+            tokens = open_tokens(cached_copy(str(file)) if is_remote(file) else file)
             if len(tokens) != info["tokens"]:
                 raise DatasetError(
                     f"{self._path}/{name}.bin holds {len(tokens)} tokens but metadata.json says "
@@ -74,7 +77,8 @@ class TokenFilesDataset(AbstractDataset[Mapping[str, Any], dict[str, Any]]):
             )
         meta: dict[str, Any] = dict(data.get("metadata") or {})
         split_meta: dict[str, Any] = {k: dict(v) for k, v in (meta.get("splits") or {}).items()}
-        self._path.mkdir(parents=True, exist_ok=True)
+        if not is_remote(self._path):
+            self._path.mkdir(parents=True, exist_ok=True)
         # A folder without metadata.json is visibly incomplete while the splits are rewritten.
         (self._path / METADATA_FILE).unlink(missing_ok=True)
         writers: list[TokenFileWriter] = []

@@ -6,11 +6,20 @@
   MLflow run and hands nodes the concrete checkpoint.
 - ``logged_params.KeepLoggedParamsHook``: a continued run keeps its logged param values.
 - ``mlflow_run_tags.MlflowRunTagsHook``: tags, all params, provenance artifacts, lineage.
+- ``storage_credentials.StorageCredentialsHook``: ``credentials.yml``'s ``object_storage``
+  entry as the AWS variables s3fs reads (the environment wins).
 """
 
 from titan_kedro.hooks.continue_run import ContinueRunHook
 from titan_kedro.hooks.logged_params import KeepLoggedParamsHook
 from titan_kedro.hooks.mlflow_run_tags import MlflowRunTagsHook
+from titan_kedro.hooks.storage_credentials import StorageCredentialsHook
 from titan_kedro.hooks.validate_job_config import ValidateJobConfigHook
 
-__all__ = ["ContinueRunHook", "KeepLoggedParamsHook", "MlflowRunTagsHook", "ValidateJobConfigHook"]
+__all__ = [
+    "ContinueRunHook",
+    "KeepLoggedParamsHook",
+    "MlflowRunTagsHook",
+    "StorageCredentialsHook",
+    "ValidateJobConfigHook",
+]

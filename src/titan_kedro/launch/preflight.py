@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from titan_kedro.config.schema import LOCAL_CWD_SCHEDULER, LOCAL_SCHEDULER
 from titan_kedro.launch.appdef import HOST_SCHEDULERS
 from titan_kedro.launch.secrets import SECRET_ARG, SECRET_SCHEDULERS, redact, split_tracking_uri
+from titan_kedro.storage import is_remote as is_object_storage
 from titan_kedro.tracking.mlflow_logger import TRACKING_URI_ENV
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ def _resume_path(resume: str) -> str | None:
 
 
 def worker_paths(cfg: Any) -> dict[str, str]:
-    """Setting → path of every file or folder a remote job reads or writes."""
+    """Setting → path of every file or folder a remote job reads or writes (object-storage
+    URIs, ``s3://…``, name the same objects on every node: not listed)."""
     paths = {
         "job.dump_folder": cfg.job.dump_folder,
         "data.token_dir": cfg.data.token_dir,
@@ -66,7 +68,7 @@ def worker_paths(cfg: Any) -> dict[str, str]:
         paths["tokenizer.name_or_path"] = cfg.tokenizer.name_or_path
     if cfg.model.custom_model_path:
         paths["model.custom_model_path"] = cfg.model.custom_model_path
-    return paths
+    return {setting: path for setting, path in paths.items() if not is_object_storage(path)}
 
 
 def with_absolute_paths(cfg: Any) -> Any:

@@ -140,6 +140,14 @@ def _write_marker(folder: Path, files: Iterable[str], *, complete: bool) -> None
     (folder / MARKER).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
+def mark_complete(staging: Path) -> list[str]:
+    """Write ``staging``'s marker as complete, listing its files; returns every file name
+    (the marker included), as an object-storage publish uploads them."""
+    files = [p.name for p in staging.iterdir() if p.name != MARKER]
+    _write_marker(staging, files, complete=True)
+    return sorted([*files, MARKER])
+
+
 def swap_in(staging: Path, target: Path) -> None:
     """Mark ``staging`` complete and make it ``target``; the old export goes aside, then away.
 
@@ -147,7 +155,7 @@ def swap_in(staging: Path, target: Path) -> None:
         ExportFolderError: The target changed since ``new_staging`` into something that is
             not a previous export (checked again right before the renames).
     """
-    _write_marker(staging, (p.name for p in staging.iterdir() if p.name != MARKER), complete=True)
+    mark_complete(staging)
     check_replaceable(target)
     aside = _aside(target)
     if target.exists():

@@ -12,6 +12,7 @@ logits are from ours.
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from titan_kedro.models import export_folder
+from titan_kedro.models.export_remote import publish_export
+from titan_kedro.storage import is_remote
+from titan_kedro.storage.folders import download_folder
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -174,6 +178,14 @@ def export_hf_folder(
             export marker, or holds entries its marker does not list); nothing is deleted.
     """
     require_adapter(spec)
+    if is_remote(folder):  # written here, then published object by object, marker last
+        with tempfile.TemporaryDirectory(prefix="titan-kedro-hf-export-") as tmp:
+            staging = Path(tmp)
+            _write_export(
+                model, spec, args, staging, tokenizer=tokenizer, model_card=model_card,
+                dtype=dtype, max_shard_gib=max_shard_gib,
+            )  # fmt: skip
+            return publish_export(staging, str(folder))
     target = Path(folder)
     staging = export_folder.new_staging(target)
     try:
@@ -204,6 +216,8 @@ def compare_logits(
     """
     from transformers import AutoModelForCausalLM
 
+    if is_remote(folder):
+        folder = download_folder(str(folder))
     batch = torch.as_tensor(tokens, dtype=torch.long)
     if batch.ndim == 1:
         batch = batch[None]

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from titan_kedro.runs.checkpoint_layout import METADATA
+from titan_kedro.storage import as_path
 
 RUN_ID_KEY = "run_id"
 """The key of a checkpoint's ``metadata.json`` that names its run."""
@@ -105,7 +106,7 @@ class CheckpointMetadata:
             FileNotFoundError: ``checkpoint`` is not a complete checkpoint.
             CheckpointMetadataError: The file is not what titan_kedro writes.
         """
-        file = Path(checkpoint) / METADATA
+        file = as_path(checkpoint) / METADATA
         if not file.is_file():
             raise FileNotFoundError(
                 f"'{checkpoint}' is not a complete checkpoint (no {METADATA}); pick a step-<n> "
@@ -122,8 +123,9 @@ class CheckpointMetadata:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
     def write(self, checkpoint: str | Path) -> Path:
-        """Write ``metadata.json`` into ``checkpoint`` (rank 0, last file of a save)."""
-        path = Path(checkpoint) / METADATA
+        """Write ``metadata.json`` into ``checkpoint`` (rank 0, last file of a save; on
+        object storage one PUT, which is atomic: the object appears whole or not at all)."""
+        path = as_path(checkpoint) / METADATA
         path.write_text(json.dumps(self.to_dict(), indent=2), encoding="utf-8")
         return path
 

@@ -34,6 +34,7 @@ from titan_kedro.runs.checkpoint_metadata import (
     CheckpointRunIdError,
 )
 from titan_kedro.runs.resume import resolve_resume
+from titan_kedro.storage import StoragePath, as_path
 
 logger = logging.getLogger(__name__)
 
@@ -99,9 +100,9 @@ class RunPlan:
 
     run_id: str
     """The run's identity: the MLflow run id (or a generated one)."""
-    checkpoint_dir: Path
+    checkpoint_dir: StoragePath
     """``checkpoint.folder/<run_id>``: this run's checkpoints."""
-    resume_from: Path | None
+    resume_from: StoragePath | None
     """The checkpoint continued, or None for a new run."""
     resume_metadata: CheckpointMetadata | None = None
     """That checkpoint's parsed ``metadata.json`` (read once, by ``resolve_resume``)."""
@@ -131,8 +132,10 @@ def plan_run(root: str | Path, resume: str, active_run_id: str | None) -> RunPla
     point = resolve_resume(root, resume)
     run_id = (point.run_id if point else None) or active_run_id or new_run_id()
     if point is None:
-        return RunPlan(run_id, Path(root) / run_id, None)
-    return RunPlan(run_id, Path(root) / run_id, point.checkpoint, point.metadata)
+        return RunPlan(run_id, as_path(root, "checkpoint.folder") / run_id, None)
+    return RunPlan(
+        run_id, as_path(root, "checkpoint.folder") / run_id, point.checkpoint, point.metadata
+    )
 
 
 def math_settings(cfg: Any, token_metadata: Mapping[str, Any] | None) -> dict[str, Any]:

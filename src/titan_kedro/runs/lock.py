@@ -36,7 +36,8 @@ node) past ``checkpoint.lock_timeout_s`` is judged gone and its lock taken over;
 next verify it may still write, so its writes between its last verify and that moment
 can overlap the new holder's (a fencing token checked by the storage itself would be
 needed). Releasing checks the token and then removes the file: not atomic, harmless
-unless the holder was already judged gone.
+unless the holder was already judged gone. A run folder on object storage (``s3://``)
+gets the same lock through conditional writes instead: ``runs.object_lock``.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+from titan_kedro.runs.lock_files import create_empty, link_new
+from titan_kedro.storage import is_remote
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +130,11 @@ def read_holder(folder: str | Path) -> tuple[LockHolder, float] | None:
     Raises:
         RunFolderLockedError: The lock file is unreadable (the message says what to do).
     """
+    if is_remote(folder):
+        from titan_kedro.runs.object_lock import read_object_holder
+
+        found = read_object_holder(folder)
+        return None if found is None else found[:2]
     path = Path(folder) / LOCK_FILE
     try:
         text = path.read_text(encoding="utf-8")
@@ -220,37 +229,15 @@ def _create(path: Path, holder: LockHolder) -> bool:
     """Make ``path`` hold ``holder`` if no lock exists (``link``: atomic, also on NFS)."""
     tmp = _private_copy(path, holder)
     try:
-        os.link(tmp, path)
-        return True
-    except FileExistsError:
-        return False
-    except OSError:
-        # NFS may report a retransmitted link that succeeded as failed: the count tells.
-        if os.stat(tmp).st_nlink == 2:
-            return True
-        return _create_exclusive(path, tmp)  # no hard links here
+        return link_new(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def _create_exclusive(path: Path, tmp: Path) -> bool:
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "wb") as out:
-        out.write(tmp.read_bytes())
-    return True
 
 
 def _claim(path: Path, stale: LockHolder) -> Path | None:
     """The take-over claim for ``stale`` (None: another process claimed it first)."""
     claim = path.with_name(f"{path.name}.takeover-{stale.fingerprint()}")
-    try:
-        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-    except FileExistsError:
-        return None
-    return claim
+    return claim if create_empty(claim) else None
 
 
 def _take(folder: Path, me: LockHolder, *, timeout_s: float, break_lock: bool) -> None:
@@ -329,6 +316,10 @@ def verify_writer(folder: str | Path, *, fresh: bool = True) -> None:
     Raises:
         RunFolderLockLostError: The lock was taken over or removed.
     """
+    if is_remote(folder):
+        from titan_kedro.runs.object_lock import verify_object_writer
+
+        return verify_object_writer(folder, fresh=fresh)
     held = _HELD.get(Path(folder).resolve())
     if held is None:
         return
@@ -361,6 +352,13 @@ def hold_run_folder(
     Raises:
         RunFolderLockedError: A live process holds it (nothing was changed).
     """
+    if is_remote(folder):
+        from titan_kedro.runs.object_lock import hold_object_run_folder
+
+        with hold_object_run_folder(folder, timeout_s=timeout_s, break_lock=break_lock,
+                                    run_id=run_id) as me:  # fmt: skip
+            yield me
+        return
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_FILE

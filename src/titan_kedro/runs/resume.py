@@ -21,6 +21,7 @@ from titan_kedro.runs.checkpoint_metadata import (
     CheckpointMetadata,
     CheckpointRunIdError,
 )
+from titan_kedro.storage import StoragePath, as_path, is_remote
 
 __all__ = [
     "RUN_ID_KEY",
@@ -39,8 +40,8 @@ __all__ = [
 class ResumePoint:
     """What ``checkpoint.resume`` resolved to."""
 
-    checkpoint: Path
-    """The complete ``step-<n>`` folder to continue from."""
+    checkpoint: StoragePath
+    """The complete ``step-<n>`` folder to continue from (a ``UPath`` on object storage)."""
     run_id: str | None
     """The run it belongs to (checked), or None when its metadata records none (a worker
     started by hand without ``job.run_id``)."""
@@ -49,9 +50,10 @@ class ResumePoint:
     and schedule checks read it from here, not from the file again)."""
 
 
-def list_checkpoints(folder: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints under ``folder`` as ``(step, path)``, oldest first."""
-    root = Path(folder)
+def list_checkpoints(folder: str | Path) -> list[tuple[int, StoragePath]]:
+    """Complete checkpoints under ``folder`` as ``(step, path)``, oldest first (a
+    ``step-<n>`` without ``metadata.json``, e.g. a save cut off on object storage, is none)."""
+    root = as_path(folder, "checkpoint.folder")
     if not root.is_dir():
         return []
     found = []
@@ -62,13 +64,13 @@ def list_checkpoints(folder: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(folder: str | Path) -> Path | None:
+def latest_checkpoint(folder: str | Path) -> StoragePath | None:
     """The newest complete checkpoint under ``folder`` (None if there is none)."""
     found = list_checkpoints(folder)
     return found[-1][1] if found else None
 
 
-def find_checkpoint(root: str | Path, resume: str) -> Path | None:
+def find_checkpoint(root: str | Path, resume: str) -> StoragePath | None:
     """The checkpoint ``checkpoint.resume`` names under the checkpoint root ``root``.
 
     Args:
@@ -80,7 +82,7 @@ def find_checkpoint(root: str | Path, resume: str) -> Path | None:
     Raises:
         FileNotFoundError: ``resume`` names nothing that holds a complete checkpoint.
     """
-    root = Path(root)
+    root = as_path(root, "checkpoint.folder")
     if resume in ("never", ""):
         return None
     if resume == "latest":
@@ -95,7 +97,8 @@ def find_checkpoint(root: str | Path, resume: str) -> Path | None:
                 "root the earlier run used"
             )
         return max(runs, key=lambda c: (c / METADATA).stat().st_mtime)
-    for candidate in (root / resume, Path(resume)):
+    named = as_path(resume, "checkpoint.resume")
+    for candidate in (named,) if is_remote(named) else (root / resume, named):
         if (candidate / METADATA).is_file():
             return candidate
         if candidate.is_dir():
@@ -109,7 +112,7 @@ def find_checkpoint(root: str | Path, resume: str) -> Path | None:
     )
 
 
-def _subdirs(root: Path) -> list[Path]:
+def _subdirs(root: StoragePath) -> list[StoragePath]:
     return [d for d in root.iterdir() if d.is_dir()] if root.is_dir() else []
 
 
@@ -136,8 +139,8 @@ def checkpoint_run_id(
     if metadata is None:
         metadata = CheckpointMetadata.read(checkpoint)
     value = metadata.run_id
-    if value is None:
-        return None
+    if value is None or is_remote(root):  # no links on object storage; the shape is checked
+        return value
     root_path = Path(root).resolve()
     if not (root_path / value).resolve().is_relative_to(root_path):
         raise CheckpointRunIdError(

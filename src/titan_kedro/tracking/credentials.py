@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, quote, quote_plus, unquote, urlencode, urlsplit
 
+from titan_kedro.storage.credentials import storage_secrets
+
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 USERNAME_ENV = "MLFLOW_TRACKING_USERNAME"
 PASSWORD_ENV = "MLFLOW_TRACKING_PASSWORD"
@@ -145,8 +147,9 @@ _KNOWN: set[str] = set()
 
 
 def known_secrets() -> set[str]:
-    """The secret values this process knows: adopted ones and its MLflow credential variables."""
-    return {*_KNOWN, *split_tracking_uri(None).values()}
+    """The secret values this process knows: adopted ones, its MLflow credential variables
+    and its object-storage secrets (``storage.credentials``)."""
+    return {*_KNOWN, *split_tracking_uri(None).values(), *storage_secrets()}
 
 
 def _encoded_forms(secret: str) -> set[str]:

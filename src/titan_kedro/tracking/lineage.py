@@ -9,7 +9,9 @@ Three ``mlflow.log_input`` records, built from the data stage's ``metadata.json`
   split's file, bytes, sha256, documents and tokens; the digest is the data fingerprint.
 
 The records describe files already on disk, so a run that only reads the token files
-(a continued or later-stage run) logs the same ones.
+(a continued or later-stage run) logs the same ones. Sources are absolute local paths, or
+the object-storage URIs as configured (``s3://…``); the digests depend on the content
+only, so a token folder copied to object storage keeps its digest.
 """
 
 from __future__ import annotations
@@ -21,9 +23,15 @@ from typing import Any
 
 from titan_kedro.config.schema import DataSection, section_from_params
 from titan_kedro.data.token_store import token_fingerprints
+from titan_kedro.storage import is_remote
 
 RAW_CONTEXT = "raw"
 SPLITS = ("train", "validation")
+
+
+def _location(value: str) -> str:
+    """An object-storage URI as written; a local path made absolute."""
+    return value.rstrip("/") if is_remote(value) else str(Path(value).resolve())
 
 
 def _raw_rows(metadata: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -64,7 +72,7 @@ def lineage_datasets(metadata: Mapping[str, Any], data: Mapping[str, Any]) -> li
             path=section.hub_dataset, config_name=section.hub_config, split=section.hub_split
         )
     else:
-        source = str(Path(section.raw_dir).resolve())
+        source = _location(section.raw_dir)
     raw_digest = hashlib.sha256(
         "".join(f"{r['name']}:{r['size_bytes']}:{r['sha256']}" for r in rows).encode()
     ).hexdigest()[:16]
@@ -74,7 +82,7 @@ def lineage_datasets(metadata: Mapping[str, Any], data: Mapping[str, Any]) -> li
             RAW_CONTEXT,
         )
     ]
-    token_dir = Path(section.token_dir).resolve()
+    token_dir = _location(section.token_dir)
     fingerprint = str(token_fingerprints(metadata).get("data_fingerprint") or "")
     splits = metadata.get("splits") or {}
     for split in SPLITS:
@@ -96,7 +104,7 @@ def lineage_datasets(metadata: Mapping[str, Any], data: Mapping[str, Any]) -> li
         digest = (str(info.get("sha256") or fingerprint) or split)[:16]
         dataset = from_pandas(
             pd.DataFrame([row]),
-            source=str(token_dir / str(info.get("file") or f"{split}.bin")),
+            source=f"{token_dir}/{info.get('file') or f'{split}.bin'}",
             name=f"tokens-{split}",
             digest=digest,
         )

@@ -21,6 +21,7 @@ from titan_kedro.models.generate import generate
 from titan_kedro.models.resolve import ResolvedJob
 from titan_kedro.runs.checkpoint_metadata import CheckpointMetadata
 from titan_kedro.runs.resume import find_checkpoint, latest_checkpoint
+from titan_kedro.storage import StoragePath, as_path
 from titan_kedro.train.checkpoint.safe_load import load_model_weights
 from titan_kedro.train.device import resolve_device
 from titan_kedro.train.trainer import build_model
@@ -28,15 +29,17 @@ from titan_kedro.train.trainer import build_model
 _PROMPT_SCAN_TOKENS = 4_000_000
 
 
-def resolve_checkpoint(training_summary: dict[str, Any], checkpoint_folder: str | Path) -> Path:
+def resolve_checkpoint(
+    training_summary: dict[str, Any], checkpoint_folder: str | Path
+) -> StoragePath:
     """The checkpoint a finished training left: its summary's, else the newest one.
 
     Raises:
         FileNotFoundError: Training wrote no checkpoint (``checkpoint.enable: false``?).
     """
     path = training_summary.get("checkpoint_dir")
-    if path and Path(path).is_dir():
-        return Path(path)
+    if path and as_path(path).is_dir():
+        return as_path(path)
     try:
         found = latest_checkpoint(checkpoint_folder) or find_checkpoint(checkpoint_folder, "latest")
     except FileNotFoundError:
@@ -54,8 +57,8 @@ class LoadedCheckpoint(NamedTuple):
     """The model in float32, eval mode, with the checkpoint's weights."""
     resolved: ResolvedJob
     """The job config, train spec and model args it was built from."""
-    path: Path
-    """The ``step-<n>`` folder."""
+    path: StoragePath
+    """The ``step-<n>`` folder (a ``UPath`` on object storage)."""
     step: int
     """The optimizer step the checkpoint was taken after."""
 
@@ -73,7 +76,7 @@ def load_checkpoint_model(
     device = torch.device(device) if not isinstance(device, torch.device) else device
     model = build_model(resolved.spec, resolved.model_args, resolved.config.job.seed, device)
     load_model_weights(checkpoint, model)
-    return LoadedCheckpoint(model.eval(), resolved, Path(checkpoint), metadata.step)
+    return LoadedCheckpoint(model.eval(), resolved, as_path(checkpoint), metadata.step)
 
 
 def evaluation_device(resolved: ResolvedJob) -> torch.device:

@@ -25,6 +25,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from titan_kedro.models.hf_export import SAFETENSORS_FILE, SAFETENSORS_INDEX
+from titan_kedro.storage import is_remote
+from titan_kedro.storage.folders import download_folder
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +139,12 @@ def _open_folder(folder: Path, stack: ExitStack) -> dict[str, _Source]:
     return sources
 
 
+def local_folder(folder: str | Path) -> Path:
+    """``folder`` itself, or for an object-storage URI its node-local copy (fetched once per
+    node and content, ``storage.folders.download_folder``)."""
+    return download_folder(str(folder)) if is_remote(folder) else Path(folder)
+
+
 def check_hf_config(spec: Any, model_args: Any, folder: str | Path) -> None:
     """Fail unless ``folder/config.json`` describes the same network as ``model_args``.
 
@@ -148,7 +156,7 @@ def check_hf_config(spec: Any, model_args: Any, folder: str | Path) -> None:
     """
     from transformers import AutoConfig
 
-    folder = Path(folder)
+    folder = local_folder(folder)
     adapter = spec.state_dict_adapter
     if adapter is None:
         raise HFInitError(
@@ -232,7 +240,7 @@ def load_hf_weights(
     Raises:
         HFInitError: Config mismatch, missing files, or keys missing/extra after mapping.
     """
-    folder = Path(folder)
+    folder = local_folder(folder)
     check_hf_config(spec, model_args, folder)
     with ExitStack() as stack:
         sources = _open_folder(folder, stack)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import mlflow
@@ -13,6 +12,8 @@ import torch
 from titan_kedro.config.schema import ExportSection, TokenizerSection, section_from_params
 from titan_kedro.data.tokenizer import build_tokenizer
 from titan_kedro.models import hf_export
+from titan_kedro.storage import is_remote
+from titan_kedro.storage.folders import download_folder
 from titan_kedro.tracking.model_registry import register_hf_folder
 from titan_kedro.train.evaluate import LoadedCheckpoint
 
@@ -63,7 +64,7 @@ def export_final_model(
         "validation loss": evaluation_results.get("eval_loss"),
         "validation perplexity": evaluation_results.get("eval_perplexity"),
     }
-    folder = Path(settings.folder)
+    folder = settings.folder  # a local path or an object-storage URI (s3://…)
     files = hf_export.export_hf_folder(
         final_model.model,
         resolved.spec,
@@ -111,8 +112,9 @@ def export_final_model(
                 reason,
             )
     if mlflow.active_run() is not None:
+        local = download_folder(folder) if is_remote(folder) else folder  # MLflow logs files
         registered = register_hf_folder(
-            folder, name=settings.registered_model_name or cfg.job.name, alias=settings.alias
+            local, name=settings.registered_model_name or cfg.job.name, alias=settings.alias
         )
         manifest["registered_model"] = registered.to_dict()
     return manifest

@@ -10,7 +10,9 @@ the step, the world size, the loss, the run id and the resolved job config) is w
 alone; what a continued run may change is decided in ``titan_kedro.runs.identity``.
 
 Rank 0 alone resolves the resume checkpoint, writes ``metadata.json``, publishes and
-prunes (``publish``); its failures reach every rank (``rank_zero.on_rank_zero``).
+prunes (``publish``; on object storage, ``checkpoint.folder`` an ``s3://`` URI, DCP writes
+through fsspec and ``object_publish`` marks completion instead of renaming); its failures
+reach every rank (``rank_zero.on_rank_zero``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -39,6 +42,12 @@ from titan_kedro.runs.checkpoint_layout import step_dir
 from titan_kedro.runs.checkpoint_metadata import CheckpointMetadata, CheckpointMetadataError
 from titan_kedro.runs.lock import verify_writer
 from titan_kedro.runs.resume import find_checkpoint, latest_checkpoint
+from titan_kedro.storage import StoragePath, as_path, is_remote
+from titan_kedro.train.checkpoint.object_publish import (
+    prepare_object_save,
+    prune_object_checkpoints,
+    sweep_unmarked,
+)
 from titan_kedro.train.checkpoint.publish import (
     prune_checkpoints,
     publish_folder,
@@ -143,7 +152,8 @@ class CheckpointManager:
         keep_latest_k: int = 2,
         enable: bool = True,
     ):
-        self.folder = Path(folder)
+        self.folder = as_path(folder, "checkpoint.folder")
+        self.remote = is_remote(self.folder)
         self.states = states
         self.per_rank_state = per_rank_state
         self.restore_per_rank = restore_per_rank
@@ -151,9 +161,9 @@ class CheckpointManager:
         self.enable = enable
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.last_saved: Path | None = None
+        self.last_saved: StoragePath | None = None
 
-    def save(self, step: int, metadata: CheckpointMetadata | None = None) -> Path | None:
+    def save(self, step: int, metadata: CheckpointMetadata | None = None) -> StoragePath | None:
         """Write ``step-{step}`` atomically (collective: every rank calls it).
 
         Args:
@@ -169,12 +179,17 @@ class CheckpointManager:
         if not self.enable:
             return None
         final = step_dir(self.folder, step)
-        tmp = final.with_name(final.name + ".tmp")
+        # Object storage has no atomic rename: the save goes into final, marked complete last.
+        tmp = final if self.remote else final.with_name(final.name + ".tmp")
         start = time.perf_counter()
-        on_rank_zero(f"preparing {self.folder} for a save", self._prepare_folder)
+        on_rank_zero(f"preparing {self.folder} for a save", lambda: self._prepare_folder(final))
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, encode_state(self.per_rank_state()))
-        dcp.save({**self.states, "per_rank": json.dumps(gathered)}, checkpoint_id=str(tmp))
+        state = {**self.states, "per_rank": json.dumps(gathered)}
+        if self.remote:
+            dcp.save(state, storage_writer=FsspecWriter(str(tmp), sync_files=False))
+        else:
+            dcp.save(state, checkpoint_id=str(tmp))
         dist.barrier()
         meta = replace(
             metadata or CheckpointMetadata(step=step),
@@ -188,24 +203,29 @@ class CheckpointManager:
         logger.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - start)
         return final
 
-    def _prepare_folder(self) -> None:
+    def _prepare_folder(self, final: StoragePath) -> None:
         verify_writer(self.folder)  # a writer whose run folder lock was taken over stops
+        if self.remote:
+            sweep_unmarked(self.folder)
+            prepare_object_save(final)
+            return
         self.folder.mkdir(parents=True, exist_ok=True)
         recover_interrupted_publish(self.folder)
         sweep_unfinished(self.folder)
 
-    @staticmethod
-    def _publish(tmp: Path, final: Path, meta: CheckpointMetadata) -> None:
-        verify_writer(final.parent)
+    def _publish(self, tmp: StoragePath, final: StoragePath, meta: CheckpointMetadata) -> None:
+        verify_writer(self.folder)
         meta.write(tmp)  # last: a folder with metadata.json is a complete checkpoint
-        publish_folder(tmp, final)
+        if not self.remote:
+            publish_folder(tmp, final)
 
     def _prune(self) -> None:
-        pruned = prune_checkpoints(self.folder, self.keep_latest_k)
+        prune = prune_object_checkpoints if self.remote else prune_checkpoints
+        pruned = prune(self.folder, self.keep_latest_k)
         if pruned:
             logger.info("pruned %s", ", ".join(p.name for p in pruned))
 
-    def resolve_resume(self, resume: str, *, restarted: bool = False) -> Path | None:
+    def resolve_resume(self, resume: str, *, restarted: bool = False) -> StoragePath | None:
         """The checkpoint to resume, chosen by rank 0 and broadcast (collective).
 
         Args:
@@ -220,15 +240,16 @@ class CheckpointManager:
         """
 
         def choose() -> str | None:
-            recover_interrupted_publish(self.folder)
+            if not self.remote:
+                recover_interrupted_publish(self.folder)
             own = latest_checkpoint(self.folder) if restarted else None
             found = own or find_checkpoint(self.folder, resume)
             return str(found) if found is not None else None
 
         choice = on_rank_zero(f"resolving checkpoint.resume={resume!r}", choose)
-        return Path(choice) if choice is not None else None
+        return as_path(choice) if choice is not None else None
 
-    def load(self, path: Path) -> CheckpointMetadata:
+    def load(self, path: StoragePath) -> CheckpointMetadata:
         """Restore every state from ``path`` (collective) and return its metadata.
 
         Raises:

@@ -5,13 +5,15 @@ Every load path (resume, evaluation, export, ``load_model_weights``) reads DCP's
 classes, torch dtypes/sizes and a few builtins, so a crafted checkpoint cannot run code,
 and whose storage entries must each name a file inside the checkpoint folder, so a crafted
 checkpoint cannot make a load read another file; the other non-tensor values are read with ``torch.load(weights_only=True)``
-(``SafeLoadPlanner``).
+(``SafeLoadPlanner``). A checkpoint on object storage (an ``s3://`` URI) is read through
+``SafeFsspecReader``, the same checks over fsspec.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import posixpath
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,10 +22,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from titan_kedro.runs.checkpoint_metadata import CheckpointMetadata
+from titan_kedro.storage import is_remote
 
 _SAFE_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     {
@@ -74,10 +78,11 @@ def check_storage_paths(metadata: dcp_metadata.Metadata, folder: str | Path) -> 
     Raises:
         UnsafeCheckpointError: An entry resolves outside ``folder`` (symlinks followed).
     """
-    root = Path(folder).resolve()
+    remote = is_remote(folder)
+    root = Path() if remote else Path(folder).resolve()
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
         relative = getattr(info, "relative_path", None)
-        if not isinstance(relative, str) or not (root / relative).resolve().is_relative_to(root):
+        if not isinstance(relative, str) or not _inside(root, relative, remote=remote):
             fqn = getattr(index, "fqn", index)
             raise UnsafeCheckpointError(
                 f"refusing to load checkpoint {folder}: its .metadata stores '{fqn}' in "
@@ -86,8 +91,15 @@ def check_storage_paths(metadata: dcp_metadata.Metadata, folder: str | Path) -> 
             )
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` with the allow-list unpickler and checked storage paths."""
+def _inside(root: Path, relative: str, *, remote: bool) -> bool:
+    if remote:  # no links on object storage: a plain, relative name without ".." stays in
+        normal = posixpath.normpath(relative)
+        return not (relative.startswith("/") or "://" in relative or normal.startswith(".."))
+    return (root / relative).resolve().is_relative_to(root)
+
+
+class _SafeMetadata:
+    """``read_metadata`` with the allow-list unpickler and checked storage paths."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
@@ -95,11 +107,28 @@ class SafeFileSystemReader(FileSystemReader):
             metadata = _MetadataUnpickler(file, str(path)).load()
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise UnsafeCheckpointError(f"{path} holds {type(metadata).__name__}, not DCP Metadata")
-        check_storage_paths(metadata, self.path)
+        check_storage_paths(metadata, getattr(self, "uri", self.path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class SafeFileSystemReader(_SafeMetadata, FileSystemReader):
+    """``FileSystemReader`` with the allow-list unpickler and checked storage paths."""
+
+
+class SafeFsspecReader(_SafeMetadata, FsspecReader):
+    """``FsspecReader`` (object storage) with the same checks as ``SafeFileSystemReader``."""
+
+    def __init__(self, path: str | Path, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.uri = str(path)
+
+
+def safe_reader(path: str | Path) -> FileSystemReader:
+    """The safe DCP reader for a checkpoint folder: local or on object storage."""
+    return SafeFsspecReader(str(path)) if is_remote(path) else SafeFileSystemReader(str(path))
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -123,10 +152,8 @@ def safe_dcp_load(state: dict[str, Any], path: str | Path, **kwargs: Any) -> Non
             storage file outside ``path`` (read first, so the refusal is not buried in
             DCP's per-rank error report).
     """
-    SafeFileSystemReader(str(path)).read_metadata()
-    dcp.load(
-        state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(), **kwargs
-    )
+    safe_reader(path).read_metadata()
+    dcp.load(state, storage_reader=safe_reader(path), planner=SafeLoadPlanner(), **kwargs)
 
 
 def load_model_weights(path: str | Path, model: nn.Module) -> nn.Module:
