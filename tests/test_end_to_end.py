@@ -2,7 +2,8 @@
 
 The run happens once, in a temporary copy of the project (pyproject.toml, conf/, empty
 data/ and src/; the package itself is the installed one), so it never touches the
-repository's data/ or mlflow.db. Every test below reads that one run.
+repository's data/ or mlflow.db. Every test below reads that one run (kedro-viz builds
+in that project too: its previews need the run's outputs).
 """
 
 from __future__ import annotations
@@ -454,8 +455,27 @@ def test_copy_project_leaves_out_local_config(tmp_path: Path) -> None:
     assert all((project / "data" / layer).is_dir() for layer in DATA_LAYERS)
 
 
-@pytest.mark.slow
-def test_kedro_viz_previews_the_plots_and_json_outputs(e2e: E2ERun) -> None:
+VIZ_PIPELINES = {
+    "__default__",
+    "data_processing",
+    "model_spec",
+    "training",
+    "evaluation",
+    "reporting",
+    "export_hf",
+}
+VIZ_LAYER_ORDER = (
+    "raw", "intermediate", "primary", "model_input", "models", "model_output", "reporting",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def viz_build(e2e: E2ERun) -> Path:
+    """``kedro viz build --include-previews`` (project hooks off, the default), once, in the
+    e2e project: its previews need the run's outputs; its pipelines and layers are the
+    project's."""
+    experiment = e2e.client.get_experiment_by_name("titan_kedro")
+    runs_before = {r.info.run_id for r in e2e.client.search_runs([experiment.experiment_id])}
     env = {**os.environ, "KEDRO_DISABLE_TELEMETRY": "true"}
     env.pop("MLFLOW_RUN_ID", None)
     proc = subprocess.run(
@@ -463,8 +483,21 @@ def test_kedro_viz_previews_the_plots_and_json_outputs(e2e: E2ERun) -> None:
         cwd=e2e.project, env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    api = e2e.project / "build" / "api"
-    nodes = json.loads((api / "main").read_text(encoding="utf-8"))["nodes"]
+    assert "Success" in proc.stdout + proc.stderr
+    # Without hooks, no MLflow run is opened.
+    runs_after = {r.info.run_id for r in e2e.client.search_runs([experiment.experiment_id])}
+    assert runs_after == runs_before
+    return e2e.project / "build"
+
+
+def _viz_api(build: Path, name: str) -> dict:
+    return json.loads((build / "api" / name).read_text(encoding="utf-8"))
+
+
+@pytest.mark.slow
+def test_kedro_viz_previews_the_plots_and_json_outputs(viz_build: Path) -> None:
+    api = viz_build / "api"
+    nodes = _viz_api(viz_build, "main")["nodes"]
     ids = {n["name"]: n["id"] for n in nodes if n["type"] == "data"}
     expected = {
         "loss_plot": "ImagePreview",
@@ -477,3 +510,39 @@ def test_kedro_viz_previews_the_plots_and_json_outputs(e2e: E2ERun) -> None:
     for name, kind in expected.items():
         node = json.loads((api / "nodes" / ids[name]).read_text(encoding="utf-8"))
         assert node.get("preview_type") == kind and node.get("preview"), (name, node.keys())
+
+
+@pytest.mark.slow
+def test_kedro_viz_build_lists_every_pipeline(viz_build: Path) -> None:
+    main = _viz_api(viz_build, "main")
+    assert {p["id"] for p in main["pipelines"]} == VIZ_PIPELINES
+    assert main["selected_pipeline"] == "__default__"
+    assert {p.name for p in (viz_build / "api" / "pipelines").iterdir()} == VIZ_PIPELINES
+    assert (viz_build / "index.html").is_file()
+
+
+@pytest.mark.slow
+def test_each_kedro_viz_pipeline_response_holds_its_nodes(viz_build: Path) -> None:
+    expected = {
+        "evaluation": {"load_final_model", "compute_validation_loss", "generate_samples"},
+        "reporting": {
+            "parse_training_metrics",
+            "plot_loss_curves",
+            "plot_expert_load",
+            "summarize_report",
+        },
+        "export_hf": {"load_final_model", "export_final_model"},
+        "training": {"train_model"},
+    }
+    for pipeline, names in expected.items():
+        nodes = _viz_api(viz_build, f"pipelines/{pipeline}")["nodes"]
+        assert names <= {n["name"] for n in nodes if n["type"] == "task"}, pipeline
+
+
+@pytest.mark.slow
+def test_every_dataset_has_a_kedro_viz_layer_and_layers_flow_forwards(viz_build: Path) -> None:
+    main = _viz_api(viz_build, "main")
+    missing = [n["name"] for n in main["nodes"] if n["type"] == "data" and not n.get("layer")]
+    assert missing == [], f"catalog entries without a kedro-viz layer: {missing}"
+    layers = main["layers"]  # empty when layers form a cycle
+    assert layers == list(VIZ_LAYER_ORDER)

@@ -15,7 +15,7 @@ import psutil
 import pytest
 from launch.job_processes import descendants, interrupt_once_training, start_training_node
 from torchx.components.dist import ddp
-from train.helpers import tiny_job, write_token_dir
+from train.helpers import TINY_DEEPSEEK, tiny_job, write_token_dir
 
 from titan_kedro.config import build_job_config
 from titan_kedro.hooks import ValidateJobConfigHook
@@ -97,8 +97,11 @@ def test_dry_run_writes_the_request_and_trains_nothing(
         dryrun_dir=str(tmp_path / "launch"),
         **CLUSTER,
     )
+    # The request is about the launch, not the model: the node plans the small-vocabulary
+    # debug model (the 102,400-row tables only slowed its fake step down).
+    job["model"]["overrides"] = TINY_DEEPSEEK
     with caplog.at_level(logging.INFO):
-        summary = nodes.train_model({"vocab_size": 102400}, {}, **job)  # the model's tokenizer
+        summary = nodes.train_model({"vocab_size": 512}, {}, **job)  # the model's vocabulary
     assert summary["dryrun"] is True and summary["final_step"] is None
     assert "dry run" in caplog.text and "nothing trained" in caplog.text
     request = Path(summary["request_file"]).read_text()

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import pytest
+
 from train.helpers import run_ranks
 
 INJECTED = "injected by the test"
@@ -59,16 +61,8 @@ def _fail_on_rank_zero(rank: int, world: int, folder: str, out: str) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps(results), encoding="utf-8")
 
 
-def test_rank_zero_failures_end_every_rank_with_its_message(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    run_ranks(
-        _fail_on_rank_zero,
-        str(tmp_path / "ckpt"),
-        str(out),
-        store=tmp_path / "store",
-        collective_timeout_s=COLLECTIVE_TIMEOUT_S,
-    )
+def test_rank_zero_failures_end_every_rank_with_its_message(ranks: Path) -> None:
+    out = ranks / "failures"
     expected = {
         "resolve": "rank 0 failed while resolving checkpoint.resume='latest'",
         "prune": "rank 0 failed while pruning old checkpoints",
@@ -82,7 +76,7 @@ def test_rank_zero_failures_end_every_rank_with_its_message(tmp_path: Path) -> N
             assert error.startswith(prefix) and "PermissionError" in error and INJECTED in error
             assert results[name]["seconds"] < 30, (rank, name, results[name])
     # The half-pruned step-1 was unpublished first, so it is no checkpoint any more.
-    assert not (tmp_path / "ckpt" / "step-1").exists()
+    assert not (ranks / "ckpt" / "step-1").exists()
 
 
 def _interrupt_on_rank_zero(rank: int, world: int, out: str) -> None:
@@ -104,14 +98,27 @@ def _interrupt_on_rank_zero(rank: int, world: int, out: str) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps(result), encoding="utf-8")
 
 
-def test_a_rank_zero_interrupt_reaches_every_rank(tmp_path: Path) -> None:
-    """Ctrl-C on rank 0 used to skip the broadcast: rank 1 waited for the collective timeout."""
-    out = tmp_path / "out"
-    out.mkdir()
+def _scenarios(rank: int, world: int, root: str) -> None:
+    _fail_on_rank_zero(rank, world, str(Path(root, "ckpt")), str(Path(root, "failures")))
+    _interrupt_on_rank_zero(rank, world, str(Path(root, "interrupt")))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One launch of two gloo ranks runs every scenario in turn (each leaves the group
+    usable: its error is raised on every rank and caught); the tests read what each saw."""
+    root = tmp_path_factory.mktemp("rank_zero")
+    for name in ("failures", "interrupt"):
+        (root / name).mkdir()
     run_ranks(
-        _interrupt_on_rank_zero, str(out), store=tmp_path / "store",
-        collective_timeout_s=COLLECTIVE_TIMEOUT_S,
-    )  # fmt: skip
+        _scenarios, str(root), store=root / "store", collective_timeout_s=COLLECTIVE_TIMEOUT_S
+    )
+    return root
+
+
+def test_a_rank_zero_interrupt_reaches_every_rank(ranks: Path) -> None:
+    """Ctrl-C on rank 0 used to skip the broadcast: rank 1 waited for the collective timeout."""
+    out = ranks / "interrupt"
     zero, one = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
     assert zero["seen"] == "KeyboardInterrupt"  # rank 0's own interrupt is kept
     assert one["seen"] == "rank 0 failed while publishing step-9: KeyboardInterrupt"
