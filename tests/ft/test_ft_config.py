@@ -120,13 +120,16 @@ def test_the_manager_server_binds_loopback_and_the_swap_is_undone() -> None:
     import torchft.manager as manager_module
     from torchft.coordination import LighthouseServer
 
-    from titan_kedro.ft.replica import _manager_server_on_loopback
+    from titan_kedro.ft.identity import node_address
+    from titan_kedro.ft.replica import _manager_server_on
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
     port = lighthouse.address().rsplit(":", 1)[-1]
     original = manager_module.ManagerServer
     try:
-        with pytest.raises(RuntimeError, match="boom"), _manager_server_on_loopback():
+        host = node_address(f"http://127.0.0.1:{port}")  # the node's route to the lighthouse
+        assert host == "127.0.0.1"
+        with pytest.raises(RuntimeError, match="boom"), _manager_server_on(host):
             server = manager_module.ManagerServer(
                 replica_id="probe", lighthouse_addr=f"http://127.0.0.1:{port}",
                 hostname="127.0.0.1", bind="[::]:0", store_addr="127.0.0.1:1", world_size=1,

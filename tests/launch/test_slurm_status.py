@@ -51,3 +51,21 @@ def test_a_pending_component_without_job_resources_is_pending(
 ) -> None:
     jobs = [_component(0, "PENDING", resources=False), _component(1, "PENDING", resources=False)]
     assert _state(monkeypatch, jobs) == AppState.PENDING
+
+
+def test_a_job_is_read_from_its_own_components_only() -> None:
+    from titan_kedro.launch.runner import only_job
+
+    # Slurm 22.05 lists every job it knows for `squeue --json -j 74`: group 0's running job
+    # made group 1's cancelled one look running, and the other way round.
+    listed = {"jobs": [
+        {**_component(0, "RUNNING"), "job_id": 73, "het_job_id": 0},
+        {**_component(0, "CANCELLED"), "job_id": 74, "het_job_id": 0},
+        {**_component(0, "COMPLETED"), "job_id": 75, "het_job_id": 75},
+        {**_component(1, "COMPLETED"), "job_id": 76, "het_job_id": 75},
+    ]}  # fmt: skip
+    states = {
+        job_id: [j["job_state"] for j in json.loads(only_job(json.dumps(listed), job_id))["jobs"]]
+        for job_id in ("73", "74", "75")
+    }
+    assert states == {"73": ["RUNNING"], "74": ["CANCELLED"], "75": ["COMPLETED", "COMPLETED"]}

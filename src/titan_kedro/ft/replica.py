@@ -33,8 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titan_kedro.ft.identity import ReplicaIdentity, replica_name
-from titan_kedro.ft.lighthouse import BIND_HOST as LOOPBACK
+from titan_kedro.ft.identity import ReplicaIdentity, node_address, replica_name
 from titan_kedro.ft.transport import JsonPGTransport, encode_header
 
 logger = logging.getLogger(__name__)
@@ -65,21 +64,23 @@ def _cross_group_pg(device: torch.device, timeout: timedelta) -> Any:
 
 
 @contextlib.contextmanager
-def _manager_server_on_loopback() -> Iterator[None]:
-    """While a ``Manager`` is built, its ``ManagerServer`` binds 127.0.0.1, not ``[::]``.
+def _manager_server_on(host: str) -> Iterator[None]:
+    """While a ``Manager`` is built, its ``ManagerServer`` binds ``host``, not ``[::]``.
 
-    torchft 0.2.0 hard-codes the bind address; the groups all run on this machine
-    (the config refuses more), so nothing else needs to reach it. Restored on every path.
+    torchft 0.2.0 hard-codes the bind address; ``host`` is the node's own address
+    (``identity.node_address``: 127.0.0.1 when the groups all run here). Restored on every
+    path.
     """
     import torchft.manager as manager_module
 
     original = manager_module.ManagerServer
 
-    def loopback_server(**kwargs: Any) -> Any:
+    def bound_server(**kwargs: Any) -> Any:
         port = str(kwargs["bind"]).rsplit(":", 1)[-1]
-        return original(**{**kwargs, "bind": f"{LOOPBACK}:{port}"})
+        return original(**{**kwargs, "bind": f"{bind_host}:{port}"})
 
-    manager_module.ManagerServer = loopback_server
+    bind_host = f"[{host}]" if ":" in host else host
+    manager_module.ManagerServer = bound_server
     try:
         yield
     finally:
@@ -150,7 +151,8 @@ class ReplicaGroupFT:
         self._degraded_delay_s = degraded_step_delay_s
         timeout = timedelta(seconds=ft.step_timeout_s)
         self.pg = _cross_group_pg(device, timeout)
-        with _manager_server_on_loopback():
+        self.host = node_address(self.identity.lighthouse)
+        with _manager_server_on(self.host):
             self.manager = self._build_manager(cfg, device, timeout)
         self.manager.load_state_dict({"step": start_step, "batches_committed": 0})
         if self.identity.attempt == 0 and self.identity.startup_lighthouse:
@@ -177,7 +179,7 @@ class ReplicaGroupFT:
             checkpoint_transport=JsonPGTransport(self.pg, device, state_dict=self._state),
             init_sync=False,  # every group initialises the same weights from job.seed
             max_retries=MAX_UNCOMMITTED_STEPS,
-            hostname=LOOPBACK,
+            hostname=self.host,
         )
 
     # -- healing ------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 All launching lives here. ``launch.scheduler: local`` runs ``torchrun.launch_training``
 (with ``fault_tolerance.enable``: ``replica_groups.ReplicaGroupLauncher``, G torchrun
-groups; with ``local_cwd``, a TorchX job of G replicas inside ``replica_group_services``);
+groups; with ``local_cwd``, a TorchX job of G replicas inside ``replica_group_services``;
+with ``slurm``, ``slurm_groups.SlurmGroupLauncher``, one Slurm job per group);
 any TorchX scheduler (``local_cwd``, ``slurm``, ``kubernetes``, …) gets the
 AppDef of ``appdef.build_appdef``, submitted and followed by ``scheduler.run_job``; both
 follow their group with ``supervise``. A run folder that a live run trains into is refused
@@ -20,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from titan_kedro.config.schema import LOCAL_SCHEDULER
+from titan_kedro.config.schema import FT_JOB_PER_GROUP_SCHEDULERS, LOCAL_SCHEDULER
 from titan_kedro.launch.appdef import build_appdef
 from titan_kedro.launch.dryrun import write_dryrun
 from titan_kedro.launch.preflight import (
@@ -32,6 +33,7 @@ from titan_kedro.launch.preflight import (
 from titan_kedro.launch.replica_groups import ReplicaGroupLauncher, replica_group_services
 from titan_kedro.launch.scheduler import run_job
 from titan_kedro.launch.secrets import node_env
+from titan_kedro.launch.slurm_groups import SlurmGroupLauncher
 from titan_kedro.launch.torchrun import TrainingFailedError, launch_training, mlflow_env
 from titan_kedro.runs.lock import RunFolderLockedError, check_run_folder
 
@@ -120,9 +122,11 @@ def launch_job(
     if cfg.launch.dryrun:
         app = None if local else build_appdef(cfg, config_path, nodes_env)
         return write_dryrun(cfg, app, config_path, env)
-    ft = cfg.fault_tolerance.enable  # groups on this machine only (the config refuses others)
+    ft = cfg.fault_tolerance.enable  # here, or one Slurm job per group (others are refused)
     if ft and local:
         ReplicaGroupLauncher(cfg, config_path, extra_env=env, console=console).run()
+    elif ft and cfg.launch.scheduler in FT_JOB_PER_GROUP_SCHEDULERS:
+        SlurmGroupLauncher(cfg, config_path, nodes_env, credentials, console=console).run()
     elif local:
         launch_training(cfg, config_path, extra_env=env, console=console)
     else:

@@ -11,7 +11,9 @@ each runs a standalone torchrun of its own (``{launch.log_dir}/replica-<g>``) wi
 ``TITAN_KEDRO_REPLICA_ID`` set to its replica id, and restarts its own workers up to
 ``fault_tolerance.max_group_restarts`` times (``--max-restarts``), since TorchX's
 schedulers restart whole jobs, not one replica. The lighthouses' addresses come in ``env``
-(``replica_groups.replica_group_services``).
+(``replica_groups.replica_group_services``). On Slurm each group is a job of its own
+instead (``group=g``: ``launch.nnodes`` replicas, ``TITAN_KEDRO_REPLICA_ID=g``, its log
+folder, job name ``<job.name>-group<g>``; ``slurm_groups.SlurmGroupLauncher``).
 """
 
 from __future__ import annotations
@@ -71,7 +73,9 @@ def _shell_join(args: list[str]) -> str:
     return " ".join(a if isinstance(a, _NoQuote) else shlex.quote(a) for a in args)
 
 
-def build_appdef(cfg: Any, config_path: str | Path, env: Mapping[str, str]) -> specs.AppDef:
+def build_appdef(
+    cfg: Any, config_path: str | Path, env: Mapping[str, str], *, group: int | None = None
+) -> specs.AppDef:
     """The TorchX AppDef that runs the job described by ``cfg`` (reads ``job`` and ``launch``).
 
     Args:
@@ -79,10 +83,15 @@ def build_appdef(cfg: Any, config_path: str | Path, env: Mapping[str, str]) -> s
         config_path: The job config file as the workers see it.
         env: Environment of every node (``MLFLOW_RUN_ID``, ``MLFLOW_TRACKING_URI``, …);
             ``PYTHONUNBUFFERED=1`` and ``LOGLEVEL`` are added.
+        group: With ``fault_tolerance.enable``: the job of this replica group alone
+            (``launch.nnodes`` nodes); None: one job of all groups, one node each.
     """
-    launch = cfg.launch
+    launch, name = cfg.launch, cfg.job.name
     replicas, env = launch.nnodes, {"PYTHONUNBUFFERED": "1", "LOGLEVEL": "WARNING", **dict(env)}
-    if cfg.fault_tolerance.enable:  # one node per group (the config refuses more)
+    if cfg.fault_tolerance.enable and group is not None:
+        env[REPLICA_ID_ENV], name = str(group), f"{name}-group{group}"
+        launch = launch.model_copy(update={"log_dir": f"{launch.log_dir}/replica-{group}"})
+    elif cfg.fault_tolerance.enable:  # one node per group (the config refuses more)
         replicas, env[REPLICA_ID_ENV] = cfg.replica_groups, macros.replica_id
         launch = launch.model_copy(
             update={
@@ -109,7 +118,7 @@ def build_appdef(cfg: Any, config_path: str | Path, env: Mapping[str, str]) -> s
     ]
     resources = launch.resources
     return specs.AppDef(
-        name=cfg.job.name,
+        name=name,
         roles=[
             specs.Role(
                 name=ROLE,

@@ -9,20 +9,56 @@ TorchX also gives a heterogeneous job (one component per node) the state of the 
 ``squeue`` lists last. After ``scancel`` one component can read ``CANCELLED`` while another
 is still ``COMPLETING`` (its processes being killed), and the job looked ended while it was
 still in the queue. Here a job is ended only when every component listed has ended.
+
+And Slurm 22.05's ``squeue --json -j <id>`` ignores ``-j``: it lists every job it knows
+(finished ones too, for ``MinJobAge``), and TorchX read them all as components of the one
+job, so with two jobs queued (one per replica group) each read the other's state. Here
+TorchX's module sees only the components of the job it asked for.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
 from typing import Any
 
 from torchx.runner import Runner
-from torchx.schedulers import get_scheduler_factories
+from torchx.schedulers import get_scheduler_factories, slurm_scheduler
 from torchx.schedulers.api import DescribeAppResponse
 from torchx.schedulers.slurm_scheduler import SlurmScheduler
 from torchx.specs import AppState, is_terminal
 
 SESSION = "torchx"
 """TorchX's default session name (handles read ``slurm://torchx/<job id>``)."""
+
+
+def only_job(squeue_json: str, job_id: str) -> str:
+    """``squeue --json`` output with the components of job ``job_id`` alone (a component
+    without a ``job_id`` is kept)."""
+    data = json.loads(squeue_json)
+    data["jobs"] = [
+        job
+        for job in data.get("jobs", [])
+        if job_id in (str(job.get("job_id", job_id)), str(job.get("het_job_id")))
+    ]
+    return json.dumps(data)
+
+
+class _SubprocessOfOneJob:
+    """``subprocess`` for TorchX's Slurm module: ``squeue --json -j <id>`` lists that job only."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def check_output(args: Any, *rest: Any, **kwargs: Any) -> Any:
+        out = subprocess.check_output(args, *rest, **kwargs)
+        if isinstance(out, str) and list(args[:3]) == ["squeue", "--json", "-j"]:
+            return only_job(out, str(args[3]))
+        return out
+
+
+slurm_scheduler.subprocess = _SubprocessOfOneJob()  # type: ignore[assignment]
 
 
 class PendingAwareSlurmScheduler(SlurmScheduler):
