@@ -124,9 +124,7 @@ class SlurmGroupLauncher:
             get_runner() as self._runner,
         ):
             _install_interrupt_handlers()
-            try:
-                for group in self.groups:
-                    self._submit(group)
+            try:  # the first poll submits every group: any error after a submission cancels
                 _, timed_out = supervise(
                     self._poll, lambda done: done, self.cancel_all,
                     timeout_s=self.cfg.launch.timeout_s, poll_s=self.poll_s,
@@ -161,10 +159,14 @@ class SlurmGroupLauncher:
         self._tag(group)
 
     def _poll(self) -> bool:
-        """Read every group's job, resubmit a dead one; True once every group succeeded."""
+        """Submit the groups not yet submitted, read every group's job, resubmit a dead one;
+        True once every group succeeded."""
         assert self._runner is not None
         for group in self.groups:
-            if group.finished or group.handle is None:
+            if group.handle is None:
+                self._submit(group)
+        for group in self.groups:
+            if group.finished:
                 continue
             group.status = self._runner.status(group.handle)
             if group.requeues is not None:
