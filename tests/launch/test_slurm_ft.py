@@ -2,15 +2,19 @@
 
 One run answers most checks: group 1's rank waits at step 4 (a test hook) and the test
 ``scancel``s its job, as a lost node looks to Slurm. The launcher submits the group again,
-it heals from group 0, and both finish 8 steps in one MLflow run. A second, short run is
-interrupted (Ctrl-C) and must leave nothing in ``squeue``.
+it heals from group 0, and both finish 8 steps in one MLflow run. A second, short launch is
+interrupted (Ctrl-C, in this process, right after submitting) and must leave nothing in
+``squeue`` and no lighthouse port open.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,9 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
-from launch.job_processes import interrupt_once_training
 from mlflow.tracking import MlflowClient
 from mlflow_store import mlflow_server
 from small_project import small_vocab_project
@@ -30,12 +32,15 @@ from test_slurm import (
     TRAIN,
     Server,
     _files_with,
-    _processes,
     _queued,
     _require_cluster,
     _state_environment,
 )
-from train.helpers import node_job_config, rerun_here
+from test_torchx_launch import shared_job
+from train.helpers import node_job_config, rerun_here, write_token_dir
+
+from titan_kedro.config import build_job_config, dump_job_config
+from titan_kedro.launch import launch_job, prepare_job
 
 pytestmark = pytest.mark.slow
 
@@ -183,17 +188,38 @@ def test_no_group_job_shows_the_password(healed: HealedRun, server: Server, proj
     assert PASSWORD not in json.dumps([data.params, data.tags])
 
 
-def test_ctrl_c_cancels_every_group_job(healed: HealedRun, server: Server, project: Path) -> None:
-    proc = _kedro(project, server, "training.steps=100000,checkpoint.enable=false")
+class _InterruptAfterSubmitting(io.StringIO):
+    """A console that raises SIGINT (Ctrl-C) in this process once group 1 is submitted."""
 
-    def job() -> tuple[list[psutil.Process], list[psutil.Process]]:
-        workers = _processes(project, agent=False)
-        return _processes(project, agent=True) + workers, workers
+    def write(self, text: str) -> int:
+        written = super().write(text)
+        if "[group 1] submitted slurm://" in text:
+            signal.raise_signal(signal.SIGINT)
+        return written
 
-    output, family = interrupt_once_training(proc, job, start_timeout_s=300, exit_timeout_s=180)
-    assert proc.returncode != 0 and "cancelling" in output, output[-4000:]
-    ids = SUBMITTED.findall(output)
-    assert sorted(g for g, _, _ in ids) == ["0", "1"], output[-4000:]
+
+def test_ctrl_c_cancels_every_group_job(
+    server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # Slurm writes the replicas' logs into the submit folder
+    write_token_dir(tmp_path / "tokens", n_train=4000)
+    job = shared_job(tmp_path, scheduler="slurm", nnodes=1, nproc_per_node=1)
+    job["launch"]["resources"] = {"cpus": 1}
+    job["checkpoint"] = {**job["checkpoint"], "enable": False}
+    job["fault_tolerance"] = {"enable": True, "replica_groups": 2}
+    run = server.client.create_run(server.client.create_experiment("ctrl-c"))
+    env = {"MLFLOW_RUN_ID": run.info.run_id, "MLFLOW_TRACKING_URI": server.uri()}
+    cfg = prepare_job(build_job_config(job), env)
+    console = _InterruptAfterSubmitting()
+    with pytest.raises(KeyboardInterrupt):
+        launch_job(cfg, dump_job_config(cfg, tmp_path / "job" / "job_config.yaml"), env,
+                   console=console)  # fmt: skip
+    out = console.getvalue()
+    ids = SUBMITTED.findall(out)
+    assert sorted(g for g, _, _ in ids) == ["0", "1"], out
     assert all(_queued(job_id) == [] for _, job_id, _ in ids), "a group's job is still queued"
-    _, alive = psutil.wait_procs(family, timeout=60)
-    assert not alive, [p.cmdline() for p in alive]
+    assert PASSWORD not in out
+    lighthouse = re.search(r"\[ft\] lighthouse http://127\.0\.0\.1:(\d+)", out)
+    assert lighthouse, out
+    with socket.socket() as sock:  # the lighthouse stopped with the launch
+        assert sock.connect_ex(("127.0.0.1", int(lighthouse.group(1)))) != 0
