@@ -1,0 +1,46 @@
+"""How often a requeued Slurm job may continue (``launch.auto_continue``), no cluster."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from torchx.specs import AppState, AppStatus
+
+from titan_kedro.config import build_job_config
+from titan_kedro.launch.slurm_jobs import RequeueBound, slurm_job_id
+from titan_kedro.launch.torchrun import TrainingFailedError
+from titan_kedro.runs.restarts import job_restarted
+
+
+def test_requeues_are_counted_and_bounded(caplog: pytest.LogCaptureFixture) -> None:
+    launch = build_job_config({"launch": {"scheduler": "slurm", "auto_continue": 1}}).launch
+    counts = iter([0, 1, 1, 2])
+    bound = RequeueBound(launch, "slurm://torchx/93", read_count=lambda job: next(counts))
+    running = AppStatus(AppState.RUNNING)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            assert bound.check(running) is running
+    assert caplog.text.count("Slurm requeued job 93 (1 of launch.auto_continue=1)") == 1
+    with pytest.raises(TrainingFailedError, match=r"requeued 2 times, more than launch\.auto"):
+        bound.check(running)
+
+
+def test_only_slurm_jobs_still_queued_are_read() -> None:
+    launch = build_job_config({"launch": {"scheduler": "slurm"}}).launch
+
+    def unread(job: str) -> int:
+        raise AssertionError(f"read {job}")
+
+    assert slurm_job_id("local_cwd://torchx/app-1") is None
+    RequeueBound(launch, "local_cwd://torchx/app-1", read_count=unread).check(
+        AppStatus(AppState.RUNNING)
+    )
+    RequeueBound(launch, "slurm://torchx/7", read_count=unread).check(AppStatus(AppState.SUCCEEDED))
+
+
+def test_a_requeued_job_counts_as_restarted() -> None:
+    assert not job_restarted({})
+    assert not job_restarted({"SLURM_RESTART_COUNT": "0", "TORCHELASTIC_RESTART_COUNT": "0"})
+    assert job_restarted({"SLURM_RESTART_COUNT": "1"})
+    assert job_restarted({"TORCHELASTIC_RESTART_COUNT": "2"})
