@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from torchx.specs import AppState, AppStatus
+from torchx.specs import AppDef, AppState, AppStatus, Role
 
 from titan_kedro.config import build_job_config
 from titan_kedro.launch.slurm_jobs import RequeueBound, slurm_job_id
@@ -44,3 +44,24 @@ def test_a_requeued_job_counts_as_restarted() -> None:
     assert not job_restarted({"SLURM_RESTART_COUNT": "0", "TORCHELASTIC_RESTART_COUNT": "0"})
     assert job_restarted({"SLURM_RESTART_COUNT": "1"})
     assert job_restarted({"TORCHELASTIC_RESTART_COUNT": "2"})
+
+
+def test_a_job_ended_at_its_time_limit_is_continued_by_a_new_one() -> None:
+    from titan_kedro.launch.slurm_jobs import continuable_end, continuing
+    from titan_kedro.runs.restarts import own_run_ids
+
+    def state(value: str) -> object:
+        return lambda job: {"JobId": job, "JobState": value}
+
+    assert continuable_end("slurm://torchx/9", state("TIMEOUT")) == "TIMEOUT"
+    assert continuable_end("slurm://torchx/9", state("NODE_FAIL")) == "NODE_FAIL"
+    assert continuable_end("slurm://torchx/9", state("FAILED")) is None  # the training's own
+    assert continuable_end("slurm://torchx/9", state("CANCELLED")) is None  # a person's
+    assert continuable_end("local_cwd://torchx/a", state("TIMEOUT")) is None
+    app = AppDef("run", roles=[Role("train", image="/x", env={"A": "1"})])
+    assert continuing(app, []) is app
+    again = continuing(app, ["9", "12"])
+    assert again.roles[0].env == {"A": "1", "TITAN_KEDRO_EARLIER_JOBS": "9,12"}
+    assert app.roles[0].env == {"A": "1"}  # the first submission's app is left alone
+    worker = {"TORCHELASTIC_RUN_ID": "13", **again.roles[0].env}
+    assert job_restarted(worker) and own_run_ids(worker) == {"9", "12", "13"}

@@ -14,6 +14,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -32,7 +33,12 @@ from titan_kedro.launch.secrets import (
     tracking_secrets,
     with_secret_ref,
 )
-from titan_kedro.launch.slurm_jobs import RequeueBound
+from titan_kedro.launch.slurm_jobs import (
+    RequeueBound,
+    continuable_end,
+    continuing,
+    slurm_job_id,
+)
 from titan_kedro.launch.supervise import OutputFollower, supervise, wait_until
 from titan_kedro.launch.torchrun import (
     TrainingFailedError,
@@ -220,21 +226,36 @@ def run_job(
     before = run_dirs(log_dir)
     credentials = dict(credentials or {})
     secrets = secret_values(credentials)
+    replicas = app.roles[0].num_replicas
+    kind = "group" if cfg.fault_tolerance.enable else "node"
+    deadline = time.monotonic() + launch.timeout_s if launch.timeout_s else None
+    earlier: list[str] = []  # ended Slurm jobs that the next submission continues
     with signals_restored(), get_runner() as runner:
         _install_interrupt_handlers()
-        handle = submit(runner, cfg, app, credentials)
-        replicas = app.roles[0].num_replicas
-        kind = "group" if cfg.fault_tolerance.enable else "node"
-        follower = follow_output(
-            runner, handle, replicas, console, secrets=secrets,
-            prefixes=[f"[{kind} {k}] " for k in range(replicas)] if replicas > 1 else None,
-        )  # fmt: skip
-        requeues = RequeueBound(launch, handle)
-        status, timed_out = supervise(
-            lambda: requeues.check(runner.status(handle)), _ended,
-            lambda: _cancel(runner, handle), timeout_s=launch.timeout_s, poll_s=poll_s,
-        )  # fmt: skip
-        follower.join(10)
+        while True:
+            handle = submit(runner, cfg, continuing(app, earlier), credentials)
+            follower = follow_output(
+                runner, handle, replicas, console, secrets=secrets,
+                prefixes=[f"[{kind} {k}] " for k in range(replicas)] if replicas > 1 else None,
+            )  # fmt: skip
+            requeues = RequeueBound(launch, handle)
+            status, timed_out = supervise(
+                lambda: requeues.check(runner.status(handle)),  # noqa: B023  (this attempt's)
+                _ended,
+                lambda: _cancel(runner, handle),  # noqa: B023
+                timeout_s=None if deadline is None else max(1.0, deadline - time.monotonic()),
+                poll_s=poll_s,
+            )
+            follower.join(10)
+            ended = None if timed_out or status is None else continuable_end(handle)
+            if ended is None or len(earlier) >= launch.continues:
+                break
+            earlier.append(str(slurm_job_id(handle)))
+            logger.warning(
+                "Slurm job %s ended %s: submitting it again (%d of launch.auto_continue=%d) to "
+                "continue from its latest checkpoint in the same MLflow run",
+                handle, ended, len(earlier), launch.continues,
+            )  # fmt: skip
     if status is not None and status.state == AppState.SUCCEEDED and not timed_out:
         return handle
     state = "gone from the scheduler" if status is None else status.state.name

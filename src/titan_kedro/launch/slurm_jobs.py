@@ -6,20 +6,30 @@ Slurm requeues (``scontrol requeue``, preemption, a lost node; TorchX submits ev
 with ``--requeue``) keeps its id and starts again with ``SLURM_RESTART_COUNT`` set: its
 workers continue from their run's latest complete checkpoint in the same MLflow run
 (``train.resume``, ``runs.lock``). :class:`RequeueBound` lets that happen at most
-``launch.auto_continue`` times, then cancels the job.
+``launch.auto_continue`` times, then cancels the job. A job that Slurm ends for good at
+its time limit, by preemption without requeue or with its node (:data:`CONTINUABLE`) is
+submitted again by ``scheduler.run_job`` (as often), with the ended jobs' ids in
+``TITAN_KEDRO_EARLIER_JOBS``: its workers take over their lock and continue the same way
+(``runs.restarts``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import subprocess
 from typing import Any
 
+from torchx.specs import AppDef
+
 from titan_kedro.launch.torchrun import TrainingFailedError
+from titan_kedro.runs.restarts import EARLIER_JOBS_ENV
 
 logger = logging.getLogger(__name__)
 
 SLURM_PREFIX = "slurm://"
+CONTINUABLE = frozenset({"TIMEOUT", "PREEMPTED", "NODE_FAIL"})
+"""Slurm end states that say nothing about the training itself: continue the run."""
 
 
 def slurm_job_id(handle: str) -> str | None:
@@ -44,6 +54,24 @@ def job_fields(job_id: str) -> dict[str, str]:
     # The first component of a heterogeneous job; values hold no spaces except Command=…
     line = out.stdout.splitlines()[0] if out.stdout else ""
     return dict(item.split("=", 1) for item in line.split() if "=" in item)
+
+
+def continuable_end(handle: str, read_fields: Any = job_fields) -> str | None:
+    """Slurm's end state of job ``handle`` if it is one to continue from (:data:`CONTINUABLE`)."""
+    job_id = slurm_job_id(handle)
+    state = read_fields(job_id).get("JobState") if job_id else None
+    return state if state in CONTINUABLE else None
+
+
+def continuing(app: AppDef, earlier: list[str]) -> AppDef:
+    """``app`` whose workers continue the ended jobs ``earlier`` (unchanged if none)."""
+    if not earlier:
+        return app
+    roles = [
+        dataclasses.replace(role, env={**role.env, EARLIER_JOBS_ENV: ",".join(earlier)})
+        for role in app.roles
+    ]
+    return dataclasses.replace(app, roles=roles)
 
 
 def requeue_count(job_id: str) -> int:

@@ -58,7 +58,7 @@ from typing import Any
 
 import psutil
 
-from titan_kedro.runs.restarts import job_restarted
+from titan_kedro.runs.restarts import job_restarted, own_run_ids
 
 logger = logging.getLogger(__name__)
 
@@ -161,9 +161,8 @@ def _own_earlier_attempt(holder: LockHolder, heartbeat_age_s: float, timeout_s: 
     On this host the holder's process is checked (a live one that shares the torchrun run
     id is another group, not an earlier attempt); on another host the restart says so.
     """
-    group = os.environ.get(GROUP_ENV)
-    restarted = job_restarted()  # torchrun's restart, or Slurm's requeue of the same job
-    if not (restarted and group is not None and holder.group == group):
+    # torchrun's restart, Slurm's requeue, or the launcher's continuation of an ended job
+    if not (job_restarted() and holder.group in own_run_ids()):
         return False
     if holder.host == socket.gethostname():
         return not holder_alive(holder, heartbeat_age_s, timeout_s)
