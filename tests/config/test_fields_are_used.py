@@ -94,4 +94,5 @@ def test_the_branches_a_local_run_skips_read_their_fields(tmp_path: Path) -> Non
         "data.hub_max_documents",
         "fault_tolerance.lighthouse_bind",
         "launch.auto_continue",
+        "launch.save_before_limit_s",
     } <= read

@@ -1,7 +1,8 @@
 """Fault-tolerant replica groups as Slurm jobs on the one-host test cluster (2 groups × 1 × 1).
 
 One run answers most checks: group 1's rank waits at step 4 (a test hook) and the test
-``scancel``s its job, as a lost node looks to Slurm. The launcher submits the group again,
+``scancel``s its job, as a lost node looks to Slurm, and sends group 0 the signal Slurm
+sends before a time limit (group 0 saves a checkpoint at the next step and trains on). The launcher submits the group again,
 it heals from group 0, and both finish 8 steps in one MLflow run. A second, short launch is
 interrupted (Ctrl-C, in this process, right after submitting) and must leave nothing in
 ``squeue`` and no lighthouse port open.
@@ -98,9 +99,9 @@ def healed(project: Path, server: Server) -> HealedRun:
     """The run whose group 1 is ``scancel``ed at step 4 (it waits there for the test)."""
     start = time.monotonic()
     proc = _kedro(
-        project, server, f"training.steps={STEPS},checkpoint.interval=2",
+        project, server, f"training.steps={STEPS},checkpoint.interval=100",
         TITAN_KEDRO_TEST_HOOKS="1", TITAN_KEDRO_CRASH_AT_STEP="4", TITAN_KEDRO_CRASH_GROUP="1",
-        TITAN_KEDRO_CRASH_HANG="1", TITAN_KEDRO_DEGRADED_STEP_DELAY_S="6",
+        TITAN_KEDRO_CRASH_HANG="1", TITAN_KEDRO_DEGRADED_STEP_DELAY_S="12",
     )  # fmt: skip
     lines, jobs, killed_at = [], {}, 0.0
     try:
@@ -110,7 +111,9 @@ def healed(project: Path, server: Server) -> HealedRun:
             if found := SUBMITTED.search(line):
                 jobs.setdefault(int(found.group(1)), []).append(found.group(2))
             if "[group 1]" in line and "waits to be killed at step 4" in line and not killed_at:
-                subprocess.run(["scancel", jobs[1][0]], check=True)
+                # Group 0 is warned as before a time limit (what sbatch --signal sends) …
+                subprocess.run(["scancel", "--signal=USR1", jobs[0][0]], check=True)
+                subprocess.run(["scancel", jobs[1][0]], check=True)  # … group 1 is lost
                 killed_at = time.monotonic()
             if time.monotonic() - start > 600:
                 break
@@ -160,6 +163,11 @@ def test_a_scancelled_group_job_is_submitted_again_and_heals(
     assert tags["slurm.job_ids.group_1"] == ",".join(healed.jobs[1])
     assert (tags["ft.restarts.group_0"], tags["ft.restarts.group_1"]) == ("0", "1")
     assert not any(_queued(j) for ids in healed.jobs.values() for j in ids)
+    # Group 0 saved at the step after the warning (the interval is 100) and trained on.
+    run_folder = project / "data" / "06_models" / "checkpoints" / healed.run_id
+    saved = sorted(int(p.name.split("-")[1]) for p in run_folder.glob("step-*"))
+    assert len(saved) == 2 and 4 <= saved[0] < STEPS and saved[1] == STEPS, saved
+    assert "saving a checkpoint" in out
     # Before the fault, 2 groups as 2 Slurm jobs train like HSDP with 2 replicas.
     hsdp = rerun_here(
         node_job_config(project / "data" / "07_model_output" / "job"),

@@ -1,8 +1,10 @@
-"""How often a requeued Slurm job may continue (``launch.auto_continue``), no cluster."""
+"""Requeued, timed-out and warned Slurm jobs (``launch.auto_continue``,
+``launch.save_before_limit_s``), no cluster."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 from torchx.specs import AppDef, AppState, AppStatus, Role
@@ -65,3 +67,46 @@ def test_a_job_ended_at_its_time_limit_is_continued_by_a_new_one() -> None:
     assert app.roles[0].env == {"A": "1"}  # the first submission's app is left alone
     worker = {"TORCHELASTIC_RUN_ID": "13", **again.roles[0].env}
     assert job_restarted(worker) and own_run_ids(worker) == {"9", "12", "13"}
+
+
+def test_before_a_time_limit_slurm_warns_the_workers_and_not_the_agent() -> None:
+    from titan_kedro.launch import build_appdef
+    from titan_kedro.launch.runner import get_runner
+    from titan_kedro.launch.scheduler import dryrun_info
+
+    job = {"launch": {"scheduler": "slurm", "shared_dir": "/shared", "save_before_limit_s": 90}}
+    cfg = build_job_config(job)
+    app = build_appdef(cfg, "/shared/job.yaml", {})
+    (role,) = app.roles
+    assert role.env["TITAN_KEDRO_SAVE_SIGNAL"] == "USR1"
+    assert role.args[1].startswith("trap '' USR1; ")  # torchrun ignores it, the workers save
+    request = dryrun_info(get_runner(), app, cfg.launch).request
+    assert "--signal=USR1@90" in request.cmd
+    job["launch"]["save_before_limit_s"] = None
+    off = build_appdef(build_job_config(job), "/shared/job.yaml", {})
+    assert "TITAN_KEDRO_SAVE_SIGNAL" not in off.roles[0].env and "trap" not in off.roles[0].args[1]
+
+
+def test_a_warned_rank_makes_its_group_save_once(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from titan_kedro.train.save_signal import SaveSignal
+
+    assert not SaveSignal({}).enabled and SaveSignal({}).due() is False
+    with pytest.raises(ValueError, match="no signal name"):
+        SaveSignal({"TITAN_KEDRO_SAVE_SIGNAL": "NOPE"})
+    previous = signal.getsignal(signal.SIGUSR1)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)  # fmt: skip
+    try:
+        warned = SaveSignal({"TITAN_KEDRO_SAVE_SIGNAL": "USR1"})
+        assert warned.due() is False
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert warned.due() is True  # the step after the warning saves …
+        assert warned.due() is False  # … once
+    finally:
+        dist.destroy_process_group()
+        signal.signal(signal.SIGUSR1, previous)

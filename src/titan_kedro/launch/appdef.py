@@ -30,8 +30,10 @@ from torchx.specs import macros
 
 from titan_kedro.config.schema import LOCAL_CWD_SCHEDULER
 from titan_kedro.ft.identity import REPLICA_ID_ENV
+from titan_kedro.launch.runner import SLURM_SIGNAL_KEY
 from titan_kedro.launch.torchrun import GLOO_IFNAME_ENV, loopback_interface, torchrun_command
 from titan_kedro.runs.parent_death import guarded_command
+from titan_kedro.train.save_signal import SAVE_SIGNAL_ENV
 
 ROLE = "train"
 """The role's name (``dist.ddp`` names it after the module: ``titan_kedro.train``)."""
@@ -41,6 +43,8 @@ HOST_SCHEDULERS = frozenset({LOCAL_CWD_SCHEDULER, "slurm"})
 """Schedulers that run this machine's environment (this interpreter, on shared storage for
 slurm); the others run ``python`` in ``scheduler_args.image`` (a container image; for
 ``ray`` its working directory)."""
+SAVE_SIGNAL = "USR1"
+"""The signal Slurm sends before a job's time limit (``launch.save_before_limit_s``)."""
 ROLE_ARGS = frozenset({"image", "mounts", "mlflow_secret"})
 """``launch.scheduler_args`` keys that set the role, not TorchX run options (``mlflow_secret``:
 the Kubernetes Secret holding MLflow's credential variables, ``launch.secrets``)."""
@@ -107,9 +111,16 @@ def build_appdef(
     cmd = torchrun_command(
         launch, config_path, python=python, rendezvous=(endpoint, macros.app_id), loopback=local
     )
+    metadata = {}
     if launch.scheduler == LOCAL_CWD_SCHEDULER:
         # The agents are this process's children: they end with it (bash execs the wrapper).
         cmd = ["exec", *guarded_command(cmd, python=python)]
+    elif launch.scheduler == "slurm" and launch.save_before_limit_s:
+        # Slurm signals every process of the job before its time limit: the agent ignores
+        # it (inherited by the workers, which handle it: ``train.save_signal``).
+        metadata[SLURM_SIGNAL_KEY] = f"{SAVE_SIGNAL}@{launch.save_before_limit_s}"
+        env[SAVE_SIGNAL_ENV] = SAVE_SIGNAL
+        cmd = [_NoQuote(f"trap '' {SAVE_SIGNAL};"), *cmd]
     role_args = {k: v for k, v in launch.scheduler_args.items() if k in ROLE_ARGS}
     mounts = role_args.get("mounts") or []
     # One TorchX mount string per mount ("type=bind,src=/x,dst=/x"), split as its CLI does.
@@ -119,6 +130,7 @@ def build_appdef(
     resources = launch.resources
     return specs.AppDef(
         name=name,
+        metadata=metadata,
         roles=[
             specs.Role(
                 name=ROLE,

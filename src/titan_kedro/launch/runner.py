@@ -9,6 +9,8 @@ TorchX also gives a heterogeneous job (one component per node) the state of the 
 ``squeue`` lists last. After ``scancel`` one component can read ``CANCELLED`` while another
 is still ``COMPLETING`` (its processes being killed), and the job looked ended while it was
 still in the queue. Here a job is ended only when every component listed has ended.
+A job whose AppDef asks for it (``launch.save_before_limit_s``) is submitted with
+``sbatch --signal``.
 
 And Slurm 22.05's ``squeue --json -j <id>`` ignores ``-j``: it lists every job it knows
 (finished ones too, for ``MinJobAge``), and TorchX read them all as components of the one
@@ -26,8 +28,10 @@ from torchx.runner import Runner
 from torchx.schedulers import get_scheduler_factories, slurm_scheduler
 from torchx.schedulers.api import DescribeAppResponse
 from torchx.schedulers.slurm_scheduler import SlurmScheduler
-from torchx.specs import AppState, is_terminal
+from torchx.specs import AppDef, AppDryRunInfo, AppState, is_terminal
 
+SLURM_SIGNAL_KEY = "titan_kedro/slurm_signal"
+"""AppDef metadata: the ``sbatch --signal`` value of a Slurm job (``appdef.build_appdef``)."""
 SESSION = "torchx"
 """TorchX's default session name (handles read ``slurm://torchx/<job id>``)."""
 
@@ -76,6 +80,14 @@ class PendingAwareSlurmScheduler(SlurmScheduler):
             if any(not is_terminal(state) for state in states):
                 described.state = AppState.RUNNING
         return described
+
+    def _submit_dryrun(self, app: AppDef, cfg: Any) -> AppDryRunInfo:
+        """TorchX's request, with ``sbatch --signal`` from ``app.metadata`` if asked for."""
+        info = super()._submit_dryrun(app, cfg)
+        warning = app.metadata.get(SLURM_SIGNAL_KEY)
+        if warning:
+            info.request.cmd.append(f"--signal={warning}")
+        return info
 
 
 def _create_slurm(session_name: str, **kwargs: Any) -> SlurmScheduler:

@@ -371,7 +371,7 @@ class Trainer:
                     )
                     self.metrics.log(step, step_metrics)
                 self.metrics.advance()
-            if (step % cfg.checkpoint.interval == 0 or final) and leader:
+            if self.checkpointer.due(step, cfg.checkpoint.interval, final) and leader:
                 meta = replace(self.run_metadata, loss=float(self.state.last_loss))
                 self.checkpointer.save(step, meta)
         summary = {

@@ -73,6 +73,9 @@ class LaunchSection(Section):
     """How often a Slurm job that the scheduler requeues (preemption, ``scontrol requeue``,
     a lost node) or ends at its time limit continues from its latest complete checkpoint in
     the same MLflow run without a person. None: 3 for remote schedulers, 0 on this machine."""
+    save_before_limit_s: StrictInt | None = Field(120, ge=1)
+    """Slurm: the workers get ``SIGUSR1`` this many seconds before the job's time limit
+    (``sbatch --signal``) and save a checkpoint at the next step (None: no signal)."""
 
     @field_validator("scheduler")
     @classmethod
