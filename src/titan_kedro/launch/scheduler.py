@@ -149,6 +149,7 @@ def submit(runner: Runner, cfg: Any, app: AppDef, credentials: Mapping[str, str]
     """
     launch = cfg.launch
     info = with_secret_ref(dryrun_info(runner, app, launch), launch.scheduler_args)
+    _install_interrupt_handlers()  # after TorchX's local scheduler installed its own
     uri = {k: v for k, v in app.roles[0].env.items() if k == TRACKING_URI_ENV}
     host = launch.scheduler in HOST_SCHEDULERS
     with exported({**credentials, **uri} if host else {}):
@@ -231,7 +232,6 @@ def run_job(
     deadline = time.monotonic() + launch.timeout_s if launch.timeout_s else None
     earlier: list[str] = []  # ended Slurm jobs that the next submission continues
     with signals_restored(), get_runner() as runner:
-        _install_interrupt_handlers()
         while True:
             handle = submit(runner, cfg, continuing(app, earlier), credentials)
             follower = follow_output(
