@@ -110,3 +110,26 @@ def test_a_warned_rank_makes_its_group_save_once(tmp_path: Path) -> None:
     finally:
         dist.destroy_process_group()
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_dry_run_of_groups_on_slurm_writes_one_groups_job(tmp_path: Path) -> None:
+    import json
+
+    from titan_kedro.config import dump_job_config
+    from titan_kedro.launch import launch_job, prepare_job
+
+    job = {
+        "job": {"name": "run", "dump_folder": str(tmp_path / "dump")},
+        "data": {"token_dir": str(tmp_path / "tokens")},
+        "checkpoint": {"folder": str(tmp_path / "ckpt")},
+        "fault_tolerance": {"enable": True, "replica_groups": 2},
+        "launch": {"scheduler": "slurm", "nnodes": 2, "shared_dir": str(tmp_path),
+                   "log_dir": str(tmp_path / "logs"), "dryrun": True,
+                   "dryrun_dir": str(tmp_path / "dryrun")},
+        "metrics": {"enable_mlflow": False},
+    }  # fmt: skip
+    cfg = prepare_job(build_job_config(job), {})
+    summary = launch_job(cfg, dump_job_config(cfg, tmp_path / "job.yaml"), {})
+    app = json.loads(Path(summary["appdef_file"]).read_text())
+    assert app["name"] == "run-group0" and app["roles"][0]["num_replicas"] == 2
+    assert app["roles"][0]["env"]["TITAN_KEDRO_REPLICA_ID"] == "0"

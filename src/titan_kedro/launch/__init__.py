@@ -119,13 +119,18 @@ def launch_job(
     """
     local = cfg.launch.scheduler == LOCAL_SCHEDULER
     nodes_env, credentials = node_env(env)
-    if cfg.launch.dryrun:
-        app = None if local else build_appdef(cfg, config_path, nodes_env)
-        return write_dryrun(cfg, app, config_path, env)
     ft = cfg.fault_tolerance.enable  # here, or one Slurm job per group (others are refused)
+    per_group = ft and cfg.launch.scheduler in FT_JOB_PER_GROUP_SCHEDULERS
+    if cfg.launch.dryrun:  # one job per group on Slurm: group 0's stands for them all
+        app = (
+            None
+            if local
+            else build_appdef(cfg, config_path, nodes_env, group=0 if per_group else None)
+        )
+        return write_dryrun(cfg, app, config_path, env)
     if ft and local:
         ReplicaGroupLauncher(cfg, config_path, extra_env=env, console=console).run()
-    elif ft and cfg.launch.scheduler in FT_JOB_PER_GROUP_SCHEDULERS:
+    elif per_group:
         SlurmGroupLauncher(cfg, config_path, nodes_env, credentials, console=console).run()
     elif local:
         launch_training(cfg, config_path, extra_env=env, console=console)
