@@ -147,12 +147,15 @@ class JobConfig(BaseModel):
             )
         if self.launch.scheduler in FT_JOB_PER_GROUP_SCHEDULERS:
             return  # one job of launch.nnodes nodes per group (launch/slurm_groups.py)
+        if self.launch.scheduler == "kubernetes" and self.launch.dryrun:
+            return  # rendered only (launch/k8s_groups.py)
         if self.launch.nnodes > 1 or self.launch.scheduler not in FT_SCHEDULERS:
             raise ValueError(
                 "fault_tolerance runs its replica groups on this machine, or as one Slurm job "
                 f"each (launch.scheduler={self.launch.scheduler!r}, launch.nnodes="
                 f"{self.launch.nnodes}): TorchX's other remote schedulers restart whole jobs, "
-                "not one replica; use launch.scheduler: slurm, or local / local_cwd with "
+                "not one replica (Kubernetes: launch.dryrun renders the plan); use "
+                "launch.scheduler: slurm, or local / local_cwd with "
                 "launch.nnodes: 1 (one node per group)"
             )
 

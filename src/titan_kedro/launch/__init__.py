@@ -24,6 +24,7 @@ from typing import IO, Any
 from titan_kedro.config.schema import FT_JOB_PER_GROUP_SCHEDULERS, LOCAL_SCHEDULER
 from titan_kedro.launch.appdef import build_appdef
 from titan_kedro.launch.dryrun import write_dryrun
+from titan_kedro.launch.k8s_groups import K8S_SCHEDULER, write_group_dryruns
 from titan_kedro.launch.preflight import (
     LaunchCheckError,
     check_remote_launch,
@@ -121,6 +122,10 @@ def launch_job(
     nodes_env, credentials = node_env(env)
     ft = cfg.fault_tolerance.enable  # here, or one Slurm job per group (others are refused)
     per_group = ft and cfg.launch.scheduler in FT_JOB_PER_GROUP_SCHEDULERS
+    if cfg.launch.dryrun and ft and cfg.launch.scheduler == K8S_SCHEDULER:
+        summary = write_group_dryruns(cfg, config_path, nodes_env, env)
+        check_remote_launch(cfg, env, intro="dry run written, but kubernetes would refuse it")
+        return summary
     if cfg.launch.dryrun:  # one job per group on Slurm: group 0's stands for them all
         app = (
             None

@@ -74,8 +74,8 @@ def lighthouse_problems(
         node_addresses: The Slurm nodes' addresses (default :func:`slurm_node_addresses`).
     """
     ft = cfg.fault_tolerance
-    if not ft.enable or ft.lighthouse_address is not None:
-        return []
+    if not ft.enable or ft.lighthouse_address is not None or cfg.launch.scheduler != "slurm":
+        return []  # Kubernetes: the lighthouses run behind a Service (``k8s_groups``)
     bind = ft.lighthouse_bind
     if _is(bind, lambda ip: ip.is_unspecified):
         logger.warning(
