@@ -26,8 +26,6 @@ from urllib.parse import urlsplit
 
 logger = logging.getLogger(__name__)
 
-BIND_HOST = "127.0.0.1"
-
 
 def _url_host(host: str) -> str:
     """``host`` as it stands in a URL or a ``host:port`` bind (IPv6 in brackets)."""
