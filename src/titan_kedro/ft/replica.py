@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 
 MAX_UNCOMMITTED_STEPS = 10
 """Consecutive steps that fail to commit before the group gives up (raises)."""
+HEARTBEAT_SETTLE_S = 1.0
+"""How long a group's manager heartbeats before it joins the startup barrier: the quorum
+lighthouse waits for a heartbeating group only, and under load a manager's first heartbeat
+lagged the barrier, so the other group's step 1 formed a quorum without it."""
 
 
 def _recording(base: type) -> type:
@@ -157,6 +161,7 @@ class ReplicaGroupFT:
         self.manager.load_state_dict({"step": start_step, "batches_committed": 0})
         if self.identity.attempt == 0 and self.identity.startup_lighthouse:
             if group_rank == 0:
+                time.sleep(HEARTBEAT_SETTLE_S)
                 wait_for_all_groups(self.identity, timedelta(seconds=ft.join_timeout_s))
             if dist.is_initialized():
                 dist.barrier()
