@@ -51,6 +51,9 @@ def test_a_pending_component_without_job_resources_is_pending(
 ) -> None:
     jobs = [_component(0, "PENDING", resources=False), _component(1, "PENDING", resources=False)]
     assert _state(monkeypatch, jobs) == AppState.PENDING
+    # Cancelled before it started: it never gets resources, and it has ended.
+    jobs = [_component(k, "CANCELLED", resources=False) for k in (0, 1)]
+    assert _state(monkeypatch, jobs) == AppState.CANCELLED
 
 
 def test_a_job_is_read_from_its_own_components_only() -> None:

@@ -3,7 +3,9 @@
 torchx-nightly describes a Slurm job with ``squeue --json`` and expects a ``job_resources``
 entry on every job; Slurm before 23.02 leaves it out while the job is pending, and TorchX
 then fails with ``KeyError: 'job_resources'``, also inside ``cancel`` (which asks for the
-state first), so a job could not even be cancelled. Here such a job is described as pending.
+state first), so a job could not even be cancelled. Here such a job is described as
+pending, or as ended once all its components have (a job cancelled before it started never
+gets resources; cancelling waited a minute for it).
 
 TorchX also gives a heterogeneous job (one component per node) the state of the component
 ``squeue`` lists last. After ``scancel`` one component can read ``CANCELLED`` while another
@@ -65,6 +67,18 @@ class _SubprocessOfOneJob:
 slurm_scheduler.subprocess = _SubprocessOfOneJob()  # type: ignore[assignment]
 
 
+def _state_without_resources(job_id: str) -> AppState:
+    """A job listed without ``job_resources``: pending, or its end state once every
+    component has ended (a job cancelled before it started never gets resources)."""
+    out = slurm_scheduler.subprocess.check_output(
+        ["squeue", "--json", "-j", job_id], stderr=subprocess.PIPE, encoding="utf-8"
+    )
+    states = [slurm_scheduler.get_appstate_from_job(job) for job in json.loads(out)["jobs"]]
+    if states and all(is_terminal(state) for state in states):
+        return states[-1]
+    return AppState.PENDING
+
+
 class PendingAwareSlurmScheduler(SlurmScheduler):
     """TorchX's Slurm scheduler, pending without ``job_resources``, ended when all parts are."""
 
@@ -74,7 +88,7 @@ class PendingAwareSlurmScheduler(SlurmScheduler):
         except KeyError as err:
             if err.args != ("job_resources",):
                 raise
-            return DescribeAppResponse(app_id=app_id, state=AppState.PENDING)
+            return DescribeAppResponse(app_id=app_id, state=_state_without_resources(app_id))
         if described is not None and is_terminal(described.state):
             states = [r.state for role in described.roles_statuses for r in role.replicas]
             if any(not is_terminal(state) for state in states):
