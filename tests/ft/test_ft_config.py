@@ -224,3 +224,14 @@ def test_each_replica_group_has_its_own_system_metrics_node(
     assert NodeSystemMetrics(1.0).node_id == "node-0"
     monkeypatch.setenv("TITAN_KEDRO_REPLICA_ID", "1")
     assert NodeSystemMetrics(1.0).node_id == "replica-1-node-0"
+
+
+def test_a_groups_store_is_advertised_at_its_nodes_address(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from titan_kedro.ft.replica import _store_address
+
+    monkeypatch.setenv("MASTER_ADDR", "localhost")  # a one-node group: the store is here
+    assert _store_address("10.0.0.7") == "10.0.0.7"  # not "localhost", which peers misread
+    monkeypatch.setenv("MASTER_ADDR", "node-3")  # the group's rank-0 node: torchrun's own
+    assert _store_address("10.0.0.7") is None

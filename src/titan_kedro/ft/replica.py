@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -89,6 +90,13 @@ def _manager_server_on(host: str) -> Iterator[None]:
         yield
     finally:
         manager_module.ManagerServer = original
+
+
+def _store_address(node: str) -> str | None:
+    """Where the other groups reach this group's store: torchrun's ``MASTER_ADDR``, except
+    that a loopback one (a one-node group's store runs here) is this node's address."""
+    master = os.environ.get("MASTER_ADDR")
+    return node if master in ("localhost", "127.0.0.1", "::1") else None
 
 
 def wait_for_all_groups(identity: ReplicaIdentity, timeout: timedelta) -> None:
@@ -185,6 +193,7 @@ class ReplicaGroupFT:
             init_sync=False,  # every group initialises the same weights from job.seed
             max_retries=MAX_UNCOMMITTED_STEPS,
             hostname=self.host,
+            store_addr=_store_address(self.host),
         )
 
     # -- healing ------------------------------------------------------------------------
