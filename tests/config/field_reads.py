@@ -190,8 +190,10 @@ def branch_reads(folder: Path) -> set[Read]:
         ft = build_job_config(
             {"fault_tolerance": {"enable": True, "replica_groups": 2, "min_replicas": 1}}
         ).fault_tolerance
-        Lighthouses.start(ft).stop()
+        Lighthouses.start(ft).stop()  # reads lighthouse_bind
         _tokenize_request(folder)
+        # auto_continue: read while a remote job is followed (``scheduler.run_job``)
+        assert build_job_config({"launch": {"scheduler": "slurm"}}).launch.continues == 3
     from titan_kedro.config.schema import FaultToleranceSection
     from titan_kedro.config.sections.tokenize import TokenizeSection
 

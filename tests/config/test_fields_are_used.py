@@ -92,4 +92,7 @@ def test_the_branches_a_local_run_skips_read_their_fields(tmp_path: Path) -> Non
         "training.mixed_precision_param",
         "data.hub_split",
         "data.hub_max_documents",
+        "fault_tolerance.lighthouse_bind",
+        "launch.auto_continue",
+        "launch.save_before_limit_s",
     } <= read

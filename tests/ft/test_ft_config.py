@@ -37,16 +37,80 @@ def test_min_replicas_above_the_groups_is_refused() -> None:
         _config(fault_tolerance={"enable": True, "replica_groups": 2, "min_replicas": 3})
 
 
-@pytest.mark.parametrize(("scheduler", "nnodes"), [("slurm", 1), ("kubernetes", 1), ("local", 2)])
-def test_groups_beyond_this_machine_are_refused_with_the_reason(
+@pytest.mark.parametrize(("scheduler", "nnodes"), [("kubernetes", 1), ("local", 2)])
+def test_groups_beyond_this_machine_and_slurm_are_refused_with_the_reason(
     scheduler: str, nnodes: int
 ) -> None:
-    with pytest.raises(ValueError, match=r"listen on 127\.0\.0\.1") as err:
+    with pytest.raises(ValueError, match=r"restart whole jobs, not one replica") as err:
         _config(
             fault_tolerance={"enable": True, "replica_groups": 2},
             launch={"scheduler": scheduler, "nnodes": nnodes, "rdzv_endpoint": "h:1"},
         )
-    assert "use launch.scheduler: local or local_cwd" in str(err.value)
+    assert "use launch.scheduler: slurm, or local / local_cwd" in str(err.value)
+
+
+def test_on_slurm_each_group_is_a_job_of_its_own_nodes() -> None:
+    cfg = _config(
+        fault_tolerance={"enable": True, "replica_groups": 2},
+        launch={"scheduler": "slurm", "nnodes": 2, "nproc_per_node": 2, "log_dir": "/logs"},
+        job={"name": "run"},
+    )
+    app = build_appdef(cfg, "/job.yaml", {"TORCHFT_LIGHTHOUSE": "http://10.0.0.5:1"}, group=1)
+    (role,) = app.roles
+    assert (app.name, role.num_replicas) == ("run-group1", 2)
+    assert role.env["TITAN_KEDRO_REPLICA_ID"] == "1"
+    assert role.env["TORCHFT_LIGHTHOUSE"] == "http://10.0.0.5:1"
+    line = role.args[1]
+    assert "--nnodes=2 --nproc-per-node=2 --max-restarts=0" in line  # the launcher resubmits
+    assert "--log-dir=/logs/replica-1" in line and "--rdzv-id '${app_id}'" in line
+    assert cfg.launch.continues == 3  # auto_continue is on for a remote scheduler
+    assert _config().launch.continues == 0
+
+
+@pytest.mark.parametrize("bind", ["", "10.0.0.5:29510", "http://10.0.0.5", "a b"])
+def test_the_lighthouse_binds_one_address(bind: str) -> None:
+    with pytest.raises(ValueError, match=r"lighthouse_bind.*is not an address"):
+        _config(fault_tolerance={"lighthouse_bind": bind})
+    assert _config(fault_tolerance={"lighthouse_bind": "::1"}).fault_tolerance.lighthouse_bind
+
+
+def test_the_preflight_refuses_a_lighthouse_the_nodes_cannot_reach(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from titan_kedro.launch.lighthouse_check import lighthouse_problems
+
+    def problems(bind: str, nodes: list[str]) -> list[str]:
+        cfg = _config(
+            fault_tolerance={"enable": True, "replica_groups": 2, "lighthouse_bind": bind},
+            launch={"scheduler": "slurm"},
+        )
+        return lighthouse_problems(cfg, local={"127.0.0.1", "10.0.0.5"}, node_addresses=nodes)
+
+    assert problems("10.0.0.5", ["10.0.0.7"]) == []
+    assert problems("127.0.0.1", ["127.0.0.1", "127.0.0.1"]) == []  # the one-host cluster
+    (problem,) = problems("127.0.0.1", ["10.0.0.7"])
+    assert "nodes 10.0.0.7 are other machines" in problem and "cluster network" in problem
+    (problem,) = problems("10.0.0.9", [])
+    assert "no address of this machine" in problem and "10.0.0.5" in problem
+    with caplog.at_level("WARNING"):
+        assert problems("0.0.0.0", ["10.0.0.7"]) == []
+    assert "listen on every interface" in caplog.text
+
+
+def test_the_lighthouses_listen_on_the_bind_address_only() -> None:
+    from titan_kedro.ft.lighthouse import Lighthouses
+
+    ft = _config(
+        fault_tolerance={"enable": True, "replica_groups": 2, "lighthouse_bind": "127.0.0.1"}
+    ).fault_tolerance
+    lighthouses = Lighthouses.start(ft)
+    try:
+        port = int(lighthouses.quorum_address.rsplit(":", 1)[1])
+        assert lighthouses.quorum_address == f"http://127.0.0.1:{port}"
+        with socket.socket(socket.AF_INET6) as sock:  # not on [::]
+            assert sock.connect_ex(("::1", port)) != 0
+    finally:
+        lighthouses.stop()
 
 
 def test_a_torchx_job_runs_one_replica_per_group_restarting_itself() -> None:
@@ -120,13 +184,16 @@ def test_the_manager_server_binds_loopback_and_the_swap_is_undone() -> None:
     import torchft.manager as manager_module
     from torchft.coordination import LighthouseServer
 
-    from titan_kedro.ft.replica import _manager_server_on_loopback
+    from titan_kedro.ft.identity import node_address
+    from titan_kedro.ft.replica import _manager_server_on
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
     port = lighthouse.address().rsplit(":", 1)[-1]
     original = manager_module.ManagerServer
     try:
-        with pytest.raises(RuntimeError, match="boom"), _manager_server_on_loopback():
+        host = node_address(f"http://127.0.0.1:{port}")  # the node's route to the lighthouse
+        assert host == "127.0.0.1"
+        with pytest.raises(RuntimeError, match="boom"), _manager_server_on(host):
             server = manager_module.ManagerServer(
                 replica_id="probe", lighthouse_addr=f"http://127.0.0.1:{port}",
                 hostname="127.0.0.1", bind="[::]:0", store_addr="127.0.0.1:1", world_size=1,
@@ -157,3 +224,14 @@ def test_each_replica_group_has_its_own_system_metrics_node(
     assert NodeSystemMetrics(1.0).node_id == "node-0"
     monkeypatch.setenv("TITAN_KEDRO_REPLICA_ID", "1")
     assert NodeSystemMetrics(1.0).node_id == "replica-1-node-0"
+
+
+def test_a_groups_store_is_advertised_at_its_nodes_address(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from titan_kedro.ft.replica import _store_address
+
+    monkeypatch.setenv("MASTER_ADDR", "localhost")  # a one-node group: the store is here
+    assert _store_address("10.0.0.7") == "10.0.0.7"  # not "localhost", which peers misread
+    monkeypatch.setenv("MASTER_ADDR", "node-3")  # the group's rank-0 node: torchrun's own
+    assert _store_address("10.0.0.7") is None

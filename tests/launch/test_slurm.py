@@ -15,6 +15,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from train.helpers import node_job_config, rerun_here, write_token_dir
 
 from titan_kedro.config import build_job_config, dump_job_config
 from titan_kedro.launch import launch_job, prepare_job
+from titan_kedro.launch.slurm_jobs import requeue_count
 
 pytestmark = pytest.mark.slow
 
@@ -141,12 +143,47 @@ def crashed(server: Server, project: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+def requeue(job_id: str) -> None:
+    """``scontrol requeue`` (how a preemption looks), then start it at once: Slurm holds a
+    requeued job for about two minutes first."""
+    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
+    for _ in range(40):
+        update = ["scontrol", "update", f"JobId={job_id}", "StartTime=now"]
+        if subprocess.run(update, capture_output=True, timeout=30, check=False).returncode == 0:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"requeued job {job_id} could not be released")
+
+
 @pytest.fixture(scope="module")
 def continued(
     crashed: subprocess.CompletedProcess[str], server: Server, project: Path
 ) -> subprocess.CompletedProcess[str]:
-    """The crashed run continued through Slurm with ``resume=latest``."""
-    return kedro_run(project, server.uri(), f"{_slurm_params(project)},checkpoint.resume=latest")
+    """The crashed run continued through Slurm with ``resume=latest``; at step 4 its rank 1
+    waits and the test requeues the job, which continues by itself from its latest
+    checkpoint (step 2) in the same MLflow run."""
+    environ = {**os.environ, "MLFLOW_TRACKING_URI": server.uri(), "KEDRO_DISABLE_TELEMETRY": "true",
+               "TITAN_KEDRO_TEST_HOOKS": "1", "TITAN_KEDRO_CRASH_AT_STEP": "4",
+               "TITAN_KEDRO_CRASH_RANK": "1", "TITAN_KEDRO_CRASH_HANG": "1"}  # fmt: skip
+    environ.pop("MLFLOW_RUN_ID", None)
+    params = f"{_slurm_params(project)},checkpoint.resume=latest"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kedro", "run", "--env", ENV,
+         "--pipelines", TRAIN, "--params", params],
+        cwd=project, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "waits to be killed at step 4" in line:
+                requeue(_job_ids("".join(lines))[0])
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(lines), "")
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +259,10 @@ def test_two_slurm_nodes_train_like_one_and_continue_the_same_run(
     for m in history:  # steps 1-2 before the crash, 3-4 after continuing from step 2
         assert abs(m.value - reference[m.step]) <= 1e-4, (m.step, m.value)
     assert len(slurm_runs.job_ids) == 2 and not any(_queued(j) for j in slurm_runs.job_ids)
+    # The requeued job (same id) continued from step 2 by itself, in the same MLflow run.
+    assert requeue_count(slurm_runs.job_ids[1]) == 1, out[-6000:]
+    assert [m.step for m in sorted(history, key=lambda m: m.timestamp)][-2:] == [3, 4]
+    assert [m.step for m in history].count(3) == 2  # step 3 before and after the requeue
 
 
 def _files_with(root: Path, secret: str) -> list[Path]:

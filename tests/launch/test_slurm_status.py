@@ -81,6 +81,9 @@ def test_a_job_failed_when_any_component_failed(monkeypatch: pytest.MonkeyPatch)
 def test_a_pending_job_without_job_resources_is_pending(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _state(monkeypatch, _job_55("PENDING", "PENDING", pending=True)) == AppState.PENDING
     assert _state(monkeypatch, _job_55("RUNNING", "PENDING")) == AppState.RUNNING
+    # Cancelled before it started: it never got resources, and it has ended.
+    cancelled = _job_55("CANCELLED", "CANCELLED", pending=True)
+    assert _state(monkeypatch, cancelled) == AppState.CANCELLED
 
 
 def test_ids_in_the_shape_of_newer_slurm_are_read(monkeypatch: pytest.MonkeyPatch) -> None:

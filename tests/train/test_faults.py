@@ -38,6 +38,11 @@ def test_with_the_switch_the_named_rank_crashes_on_its_first_attempt_only() -> N
     assert TestHooks.from_env(0, env).crash_at_step is None  # another rank
     assert TestHooks.from_env(1, {**env, "TORCHELASTIC_RESTART_COUNT": "1"}).crash_at_step is None
     assert TestHooks.from_env(1, {**env, "TITAN_KEDRO_GROUP_ATTEMPT": "1"}).crash_at_step is None
+    assert TestHooks.from_env(1, {**env, "SLURM_RESTART_COUNT": "1"}).crash_at_step is None
+    assert (
+        not hooks.crash_hang
+        and TestHooks.from_env(1, {**env, "TITAN_KEDRO_CRASH_HANG": "1"}).crash_hang
+    )
     assert TestHooks.from_env(1, {**env, "TITAN_KEDRO_REPLICA_ID": "1"}).crash_at_step is None
     without_group = {k: v for k, v in env.items() if k != "TITAN_KEDRO_CRASH_GROUP"}
     assert TestHooks.from_env(1, without_group).crash_at_step == 3

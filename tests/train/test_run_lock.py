@@ -94,6 +94,36 @@ def test_a_restarted_group_takes_over_its_own_lock(
         assert read_holder(folder)[0] == me and me.group == "job-7"
 
 
+def test_a_job_slurm_requeued_takes_over_its_own_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "run-1"
+    _foreign_lock(folder, age_s=1, group="91")  # the job ran on another node before
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "91")  # the rendezvous id: the Slurm job id
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    with pytest.raises(RunFolderLockedError):
+        check_run_folder(folder, timeout_s=TIMEOUT_S)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # requeued: the same writer again
+    with hold_run_folder(folder, timeout_s=TIMEOUT_S) as me:
+        assert read_holder(folder)[0] == me and me.group == "91"
+
+
+def test_a_new_job_continuing_an_ended_one_takes_over_its_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "run-1"
+    _foreign_lock(folder, age_s=1, group="91")  # job 91 reached its time limit elsewhere
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "95")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    with pytest.raises(RunFolderLockedError):  # another job's live lock
+        check_run_folder(folder, timeout_s=TIMEOUT_S)
+    monkeypatch.setenv("TITAN_KEDRO_EARLIER_JOBS", "90,91")  # the launcher continues 91
+    with hold_run_folder(folder, timeout_s=TIMEOUT_S) as me:
+        assert read_holder(folder)[0] == me and me.group == "95"
+
+
 def test_the_heartbeat_refreshes_the_lock(tmp_path: Path) -> None:
     folder = tmp_path / "run-1"
     with hold_run_folder(folder, timeout_s=0.4):  # a heartbeat every 0.1 s

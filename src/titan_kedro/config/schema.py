@@ -19,6 +19,7 @@ from titan_kedro.config.sections.inputs import (
     TokenizerSection,
 )
 from titan_kedro.config.sections.launch import (
+    FT_JOB_PER_GROUP_SCHEDULERS,
     FT_SCHEDULERS,
     LOCAL_CWD_SCHEDULER,
     LOCAL_SCHEDULER,
@@ -43,6 +44,7 @@ from titan_kedro.config.sections.training import (
 )
 
 __all__ = [
+    "FT_JOB_PER_GROUP_SCHEDULERS",
     "FT_SCHEDULERS",
     "LOCAL_CWD_SCHEDULER",
     "LOCAL_SCHEDULER",
@@ -143,13 +145,18 @@ class JobConfig(BaseModel):
                 f"fault_tolerance.min_replicas={ft.min_replicas} exceeds replica_groups="
                 f"{ft.replica_groups}; no step could ever commit"
             )
+        if self.launch.scheduler in FT_JOB_PER_GROUP_SCHEDULERS:
+            return  # one job of launch.nnodes nodes per group (launch/slurm_groups.py)
+        if self.launch.scheduler == "kubernetes" and self.launch.dryrun:
+            return  # rendered only (launch/k8s_groups.py)
         if self.launch.nnodes > 1 or self.launch.scheduler not in FT_SCHEDULERS:
             raise ValueError(
-                "fault_tolerance launches its replica groups on this machine only "
-                f"(launch.scheduler={self.launch.scheduler!r}, launch.nnodes={self.launch.nnodes}): "
-                "the lighthouses it starts listen on 127.0.0.1, and TorchX's remote schedulers "
-                "restart whole jobs, not one replica; use launch.scheduler: local or local_cwd "
-                "and launch.nnodes: 1 (one node per group)"
+                "fault_tolerance runs its replica groups on this machine, or as one Slurm job "
+                f"each (launch.scheduler={self.launch.scheduler!r}, launch.nnodes="
+                f"{self.launch.nnodes}): TorchX's other remote schedulers restart whole jobs, "
+                "not one replica (Kubernetes: launch.dryrun renders the plan); use "
+                "launch.scheduler: slurm, or local / local_cwd with "
+                "launch.nnodes: 1 (one node per group)"
             )
 
     @property

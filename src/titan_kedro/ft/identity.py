@@ -12,14 +12,20 @@ the sum, so a worker knows it was restarted whichever restarted it.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 REPLICA_ID_ENV = "TITAN_KEDRO_REPLICA_ID"
 GROUP_ATTEMPT_ENV = "TITAN_KEDRO_GROUP_ATTEMPT"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 STARTUP_ENV = "TITAN_KEDRO_FT_STARTUP"
 TORCHRUN_RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+SLURM_RESTART_ENV = "SLURM_RESTART_COUNT"
+"""How often Slurm requeued this job (preemption, ``scontrol requeue``, a lost node)."""
+NODE_ADDRESS_ENV = "TITAN_KEDRO_FT_HOST"
+"""The address this node's TorchFT manager server listens on and advertises (optional)."""
 
 
 def replica_name(replica_id: int) -> str:
@@ -92,10 +98,25 @@ def data_shard(cfg: Any, dp_rank: int, dp_degree: int) -> tuple[int, int]:
 
 
 def group_attempt() -> int:
-    """How often this worker's group has been restarted, by the launcher or by its torchrun."""
-    return int(os.environ.get(GROUP_ATTEMPT_ENV, "0")) + int(
-        os.environ.get(TORCHRUN_RESTART_ENV, "0")
-    )
+    """How often this worker's group has been restarted: by the launcher, by its torchrun or
+    by Slurm (a requeued group job)."""
+    names = (GROUP_ATTEMPT_ENV, TORCHRUN_RESTART_ENV, SLURM_RESTART_ENV)
+    return sum(int(os.environ.get(name) or "0") for name in names)
+
+
+def node_address(lighthouse: str) -> str:
+    """The address this node's TorchFT servers listen on and give to the other groups.
+
+    ``TITAN_KEDRO_FT_HOST`` if set, else this node's address on the interface that routes to
+    the lighthouse (127.0.0.1 for a lighthouse on loopback): one address, never a wildcard.
+    """
+    if os.environ.get(NODE_ADDRESS_ENV):
+        return os.environ[NODE_ADDRESS_ENV]
+    host = urlsplit(lighthouse).hostname or "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:  # no packet is sent
+        probe.connect((host, 9))
+        return str(probe.getsockname()[0])
 
 
 def restarted_group() -> bool:

@@ -1,4 +1,8 @@
-"""The lighthouses a fault-tolerant run needs, started in this process on 127.0.0.1.
+"""The lighthouses a fault-tolerant run needs, started in this process.
+
+They listen on one address, ``fault_tolerance.lighthouse_bind`` (127.0.0.1 by default;
+on Slurm an address of the submit host that the nodes reach); a wildcard address
+(``0.0.0.0``, ``::``) is advertised under this host's name.
 
 - The quorum lighthouse forms each step's quorum (``fault_tolerance.min_replicas``),
   drops a group silent for ``heartbeat_timeout_s`` and waits ``join_timeout_s`` for
@@ -13,28 +17,47 @@ and die with this process.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 logger = logging.getLogger(__name__)
 
-BIND_HOST = "127.0.0.1"
+
+def _url_host(host: str) -> str:
+    """``host`` as it stands in a URL or a ``host:port`` bind (IPv6 in brackets)."""
+    try:
+        return f"[{host}]" if ipaddress.ip_address(host).version == 6 else host
+    except ValueError:
+        return host
 
 
-def _start(min_replicas: int, join_timeout_s: float, heartbeat_timeout_s: float) -> tuple[Any, str]:
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` means every interface (``0.0.0.0``, ``::``)."""
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def _start(
+    bind: str, min_replicas: int, join_timeout_s: float, heartbeat_timeout_s: float
+) -> tuple[Any, str]:
     from torchft.coordination import LighthouseServer
 
     server = LighthouseServer(
-        bind=f"{BIND_HOST}:0",
+        bind=f"{_url_host(bind)}:0",
         min_replicas=min_replicas,
         join_timeout_ms=int(join_timeout_s * 1000),
         heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000),
     )
-    # The server reports the machine's host name; it listens on 127.0.0.1 only.
+    # The server reports the machine's host name; it listens on ``bind`` only.
     port = urlsplit(server.address()).port
-    return server, f"http://{BIND_HOST}:{port}"
+    host = socket.gethostname() if is_wildcard(bind) else bind
+    return server, f"http://{_url_host(host)}:{port}"
 
 
 @dataclass
@@ -49,18 +72,22 @@ class Lighthouses:
 
     @classmethod
     def start(cls, ft: Any) -> Lighthouses:
-        """Start the startup lighthouse, and the quorum one unless ``ft.lighthouse_address``."""
+        """Start the startup lighthouse, and the quorum one unless ``ft.lighthouse_address``,
+        both on ``ft.lighthouse_bind``."""
         servers: list[Any] = []
         try:
             # Its participants only ask once, so they must stay "healthy" for the whole wait.
             startup, startup_address = _start(
-                ft.replica_groups, ft.join_timeout_s, heartbeat_timeout_s=ft.join_timeout_s
+                ft.lighthouse_bind,
+                ft.replica_groups,
+                ft.join_timeout_s,
+                heartbeat_timeout_s=ft.join_timeout_s,
             )
             servers.append(startup)
             quorum_address = ft.lighthouse_address
             if quorum_address is None:
                 quorum, quorum_address = _start(
-                    ft.min_replicas, ft.join_timeout_s, ft.heartbeat_timeout_s
+                    ft.lighthouse_bind, ft.min_replicas, ft.join_timeout_s, ft.heartbeat_timeout_s
                 )
                 servers.append(quorum)
         except BaseException:

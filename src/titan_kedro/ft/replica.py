@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -33,14 +34,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titan_kedro.ft.identity import ReplicaIdentity, replica_name
-from titan_kedro.ft.lighthouse import BIND_HOST as LOOPBACK
+from titan_kedro.ft.identity import ReplicaIdentity, node_address, replica_name
 from titan_kedro.ft.transport import JsonPGTransport, encode_header
 
 logger = logging.getLogger(__name__)
 
 MAX_UNCOMMITTED_STEPS = 10
 """Consecutive steps that fail to commit before the group gives up (raises)."""
+HEARTBEAT_SETTLE_S = 1.0
+"""How long a group's manager heartbeats before it joins the startup barrier: the quorum
+lighthouse waits for a heartbeating group only, and under load a manager's first heartbeat
+lagged the barrier, so the other group's step 1 formed a quorum without it."""
 
 
 def _recording(base: type) -> type:
@@ -65,25 +69,34 @@ def _cross_group_pg(device: torch.device, timeout: timedelta) -> Any:
 
 
 @contextlib.contextmanager
-def _manager_server_on_loopback() -> Iterator[None]:
-    """While a ``Manager`` is built, its ``ManagerServer`` binds 127.0.0.1, not ``[::]``.
+def _manager_server_on(host: str) -> Iterator[None]:
+    """While a ``Manager`` is built, its ``ManagerServer`` binds ``host``, not ``[::]``.
 
-    torchft 0.2.0 hard-codes the bind address; the groups all run on this machine
-    (the config refuses more), so nothing else needs to reach it. Restored on every path.
+    torchft 0.2.0 hard-codes the bind address; ``host`` is the node's own address
+    (``identity.node_address``: 127.0.0.1 when the groups all run here). Restored on every
+    path.
     """
     import torchft.manager as manager_module
 
     original = manager_module.ManagerServer
 
-    def loopback_server(**kwargs: Any) -> Any:
+    def bound_server(**kwargs: Any) -> Any:
         port = str(kwargs["bind"]).rsplit(":", 1)[-1]
-        return original(**{**kwargs, "bind": f"{LOOPBACK}:{port}"})
+        return original(**{**kwargs, "bind": f"{bind_host}:{port}"})
 
-    manager_module.ManagerServer = loopback_server
+    bind_host = f"[{host}]" if ":" in host else host
+    manager_module.ManagerServer = bound_server
     try:
         yield
     finally:
         manager_module.ManagerServer = original
+
+
+def _store_address(node: str) -> str | None:
+    """Where the other groups reach this group's store: torchrun's ``MASTER_ADDR``, except
+    that a loopback one (a one-node group's store runs here) is this node's address."""
+    master = os.environ.get("MASTER_ADDR")
+    return node if master in ("localhost", "127.0.0.1", "::1") else None
 
 
 def wait_for_all_groups(identity: ReplicaIdentity, timeout: timedelta) -> None:
@@ -150,11 +163,13 @@ class ReplicaGroupFT:
         self._degraded_delay_s = degraded_step_delay_s
         timeout = timedelta(seconds=ft.step_timeout_s)
         self.pg = _cross_group_pg(device, timeout)
-        with _manager_server_on_loopback():
+        self.host = node_address(self.identity.lighthouse)
+        with _manager_server_on(self.host):
             self.manager = self._build_manager(cfg, device, timeout)
         self.manager.load_state_dict({"step": start_step, "batches_committed": 0})
         if self.identity.attempt == 0 and self.identity.startup_lighthouse:
             if group_rank == 0:
+                time.sleep(HEARTBEAT_SETTLE_S)
                 wait_for_all_groups(self.identity, timedelta(seconds=ft.join_timeout_s))
             if dist.is_initialized():
                 dist.barrier()
@@ -177,7 +192,8 @@ class ReplicaGroupFT:
             checkpoint_transport=JsonPGTransport(self.pg, device, state_dict=self._state),
             init_sync=False,  # every group initialises the same weights from job.seed
             max_retries=MAX_UNCOMMITTED_STEPS,
-            hostname=LOOPBACK,
+            hostname=self.host,
+            store_addr=_store_address(self.host),
         )
 
     # -- healing ------------------------------------------------------------------------

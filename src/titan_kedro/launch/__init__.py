@@ -2,7 +2,8 @@
 
 All launching lives here. ``launch.scheduler: local`` runs ``torchrun.launch_training``
 (with ``fault_tolerance.enable``: ``replica_groups.ReplicaGroupLauncher``, G torchrun
-groups; with ``local_cwd``, a TorchX job of G replicas inside ``replica_group_services``);
+groups; with ``local_cwd``, a TorchX job of G replicas inside ``replica_group_services``;
+with ``slurm``, ``slurm_groups.SlurmGroupLauncher``, one Slurm job per group);
 any TorchX scheduler (``local_cwd``, ``slurm``, ``kubernetes``, …) gets the
 AppDef of ``appdef.build_appdef``, submitted and followed by ``scheduler.run_job``; both
 follow their group with ``supervise``. A run folder that a live run trains into is refused
@@ -20,9 +21,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from titan_kedro.config.schema import LOCAL_SCHEDULER
+from titan_kedro.config.schema import FT_JOB_PER_GROUP_SCHEDULERS, LOCAL_SCHEDULER
 from titan_kedro.launch.appdef import build_appdef
 from titan_kedro.launch.dryrun import write_dryrun
+from titan_kedro.launch.k8s_groups import K8S_SCHEDULER, write_group_dryruns
 from titan_kedro.launch.preflight import (
     LaunchCheckError,
     check_remote_launch,
@@ -32,6 +34,7 @@ from titan_kedro.launch.preflight import (
 from titan_kedro.launch.replica_groups import ReplicaGroupLauncher, replica_group_services
 from titan_kedro.launch.scheduler import run_job
 from titan_kedro.launch.secrets import node_env
+from titan_kedro.launch.slurm_groups import SlurmGroupLauncher
 from titan_kedro.launch.torchrun import TrainingFailedError, launch_training, mlflow_env
 from titan_kedro.runs.lock import RunFolderLockedError, check_run_folder
 
@@ -117,12 +120,23 @@ def launch_job(
     """
     local = cfg.launch.scheduler == LOCAL_SCHEDULER
     nodes_env, credentials = node_env(env)
-    if cfg.launch.dryrun:
-        app = None if local else build_appdef(cfg, config_path, nodes_env)
+    ft = cfg.fault_tolerance.enable  # here, or one Slurm job per group (others are refused)
+    per_group = ft and cfg.launch.scheduler in FT_JOB_PER_GROUP_SCHEDULERS
+    if cfg.launch.dryrun and ft and cfg.launch.scheduler == K8S_SCHEDULER:
+        summary = write_group_dryruns(cfg, config_path, nodes_env, env)
+        check_remote_launch(cfg, env, intro="dry run written, but kubernetes would refuse it")
+        return summary
+    if cfg.launch.dryrun:  # one job per group on Slurm: group 0's stands for them all
+        app = (
+            None
+            if local
+            else build_appdef(cfg, config_path, nodes_env, group=0 if per_group else None)
+        )
         return write_dryrun(cfg, app, config_path, env)
-    ft = cfg.fault_tolerance.enable  # groups on this machine only (the config refuses others)
     if ft and local:
         ReplicaGroupLauncher(cfg, config_path, extra_env=env, console=console).run()
+    elif per_group:
+        SlurmGroupLauncher(cfg, config_path, nodes_env, credentials, console=console).run()
     elif local:
         launch_training(cfg, config_path, extra_env=env, console=console)
     else:

@@ -11,7 +11,9 @@ each runs a standalone torchrun of its own (``{launch.log_dir}/replica-<g>``) wi
 ``TITAN_KEDRO_REPLICA_ID`` set to its replica id, and restarts its own workers up to
 ``fault_tolerance.max_group_restarts`` times (``--max-restarts``), since TorchX's
 schedulers restart whole jobs, not one replica. The lighthouses' addresses come in ``env``
-(``replica_groups.replica_group_services``).
+(``replica_groups.replica_group_services``). On Slurm each group is a job of its own
+instead (``group=g``: ``launch.nnodes`` replicas, ``TITAN_KEDRO_REPLICA_ID=g``, its log
+folder, job name ``<job.name>-group<g>``; ``slurm_groups.SlurmGroupLauncher``).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from torchx.specs import macros
 
 from titan_kedro.config.schema import LOCAL_CWD_SCHEDULER
 from titan_kedro.ft.identity import REPLICA_ID_ENV
+from titan_kedro.launch.runner import SLURM_SIGNAL_KEY
 from titan_kedro.launch.torchrun import GLOO_IFNAME_ENV, loopback_interface, torchrun_command
 from titan_kedro.runs.parent_death import guarded_command
+from titan_kedro.train.save_signal import SAVE_SIGNAL_ENV
 
 ROLE = "train"
 """The role's name (``dist.ddp`` names it after the module: ``titan_kedro.train``)."""
@@ -39,6 +43,8 @@ HOST_SCHEDULERS = frozenset({LOCAL_CWD_SCHEDULER, "slurm"})
 """Schedulers that run this machine's environment (this interpreter, on shared storage for
 slurm); the others run ``python`` in ``scheduler_args.image`` (a container image; for
 ``ray`` its working directory)."""
+SAVE_SIGNAL = "USR1"
+"""The signal Slurm sends before a job's time limit (``launch.save_before_limit_s``)."""
 ROLE_ARGS = frozenset({"image", "mounts", "mlflow_secret"})
 """``launch.scheduler_args`` keys that set the role, not TorchX run options (``mlflow_secret``:
 the Kubernetes Secret holding MLflow's credential variables, ``launch.secrets``)."""
@@ -71,7 +77,9 @@ def _shell_join(args: list[str]) -> str:
     return " ".join(a if isinstance(a, _NoQuote) else shlex.quote(a) for a in args)
 
 
-def build_appdef(cfg: Any, config_path: str | Path, env: Mapping[str, str]) -> specs.AppDef:
+def build_appdef(
+    cfg: Any, config_path: str | Path, env: Mapping[str, str], *, group: int | None = None
+) -> specs.AppDef:
     """The TorchX AppDef that runs the job described by ``cfg`` (reads ``job`` and ``launch``).
 
     Args:
@@ -79,10 +87,15 @@ def build_appdef(cfg: Any, config_path: str | Path, env: Mapping[str, str]) -> s
         config_path: The job config file as the workers see it.
         env: Environment of every node (``MLFLOW_RUN_ID``, ``MLFLOW_TRACKING_URI``, …);
             ``PYTHONUNBUFFERED=1`` and ``LOGLEVEL`` are added.
+        group: With ``fault_tolerance.enable``: the job of this replica group alone
+            (``launch.nnodes`` nodes); None: one job of all groups, one node each.
     """
-    launch = cfg.launch
+    launch, name = cfg.launch, cfg.job.name
     replicas, env = launch.nnodes, {"PYTHONUNBUFFERED": "1", "LOGLEVEL": "WARNING", **dict(env)}
-    if cfg.fault_tolerance.enable:  # one node per group (the config refuses more)
+    if cfg.fault_tolerance.enable and group is not None:
+        env[REPLICA_ID_ENV], name = str(group), f"{name}-group{group}"
+        launch = launch.model_copy(update={"log_dir": f"{launch.log_dir}/replica-{group}"})
+    elif cfg.fault_tolerance.enable:  # one node per group (the config refuses more)
         replicas, env[REPLICA_ID_ENV] = cfg.replica_groups, macros.replica_id
         launch = launch.model_copy(
             update={
@@ -98,9 +111,16 @@ def build_appdef(cfg: Any, config_path: str | Path, env: Mapping[str, str]) -> s
     cmd = torchrun_command(
         launch, config_path, python=python, rendezvous=(endpoint, macros.app_id), loopback=local
     )
+    metadata = {}
     if launch.scheduler == LOCAL_CWD_SCHEDULER:
         # The agents are this process's children: they end with it (bash execs the wrapper).
         cmd = ["exec", *guarded_command(cmd, python=python)]
+    elif launch.scheduler == "slurm" and launch.save_before_limit_s:
+        # Slurm signals every process of the job before its time limit: the agent ignores
+        # it (inherited by the workers, which handle it: ``train.save_signal``).
+        metadata[SLURM_SIGNAL_KEY] = f"{SAVE_SIGNAL}@{launch.save_before_limit_s}"
+        env[SAVE_SIGNAL_ENV] = SAVE_SIGNAL
+        cmd = [_NoQuote(f"trap '' {SAVE_SIGNAL};"), *cmd]
     role_args = {k: v for k, v in launch.scheduler_args.items() if k in ROLE_ARGS}
     mounts = role_args.get("mounts") or []
     # One TorchX mount string per mount ("type=bind,src=/x,dst=/x"), split as its CLI does.
@@ -109,7 +129,8 @@ def build_appdef(cfg: Any, config_path: str | Path, env: Mapping[str, str]) -> s
     ]
     resources = launch.resources
     return specs.AppDef(
-        name=cfg.job.name,
+        name=name,
+        metadata=metadata,
         roles=[
             specs.Role(
                 name=ROLE,

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from titan_kedro.config.schema import LOCAL_CWD_SCHEDULER, LOCAL_SCHEDULER
 from titan_kedro.launch.appdef import HOST_SCHEDULERS
+from titan_kedro.launch.lighthouse_check import lighthouse_problems
 from titan_kedro.launch.secrets import SECRET_ARG, SECRET_SCHEDULERS, redact, split_tracking_uri
 from titan_kedro.storage import is_remote as is_object_storage
 from titan_kedro.tracking.mlflow_logger import TRACKING_URI_ENV
@@ -204,6 +205,7 @@ def remote_problems(cfg: Any, env: Mapping[str, str]) -> list[str]:
         *_check_mlflow(cfg, env),
         *_check_credentials(cfg, env),
         *_check_role(cfg),
+        *lighthouse_problems(cfg),
     ]
 
 

@@ -14,6 +14,9 @@ test cluster's):
 
 Here the entries are filtered to the job's own (its id, or its heterogeneous job id), and
 the job runs while any of them runs, and failed when any of them failed.
+
+A job whose AppDef asks for it (``launch.save_before_limit_s``) is submitted with
+``sbatch --signal``.
 """
 
 from __future__ import annotations
@@ -27,8 +30,18 @@ from torchx.runner import Runner
 from torchx.schedulers import get_scheduler_factories
 from torchx.schedulers.api import DescribeAppResponse
 from torchx.schedulers.slurm_scheduler import SlurmScheduler, get_appstate_from_job
-from torchx.specs import AppState, ReplicaStatus, Role, RoleStatus, is_terminal
+from torchx.specs import (
+    AppDef,
+    AppDryRunInfo,
+    AppState,
+    ReplicaStatus,
+    Role,
+    RoleStatus,
+    is_terminal,
+)
 
+SLURM_SIGNAL_KEY = "titan_kedro/slurm_signal"
+"""AppDef metadata: the ``sbatch --signal`` value of a Slurm job (``appdef.build_appdef``)."""
 SESSION = "torchx"
 """TorchX's default session name (handles read ``slurm://torchx/<job id>``)."""
 
@@ -41,6 +54,14 @@ class JobAwareSlurmScheduler(SlurmScheduler):
             ["squeue", "--json", "-j", app_id], stderr=subprocess.PIPE, encoding="utf-8"
         )
         return describe_entries(app_id, json.loads(output).get("jobs", []))
+
+    def _submit_dryrun(self, app: AppDef, cfg: Any) -> AppDryRunInfo:
+        """TorchX's request, with ``sbatch --signal`` from ``app.metadata`` if asked for."""
+        info = super()._submit_dryrun(app, cfg)
+        warning = app.metadata.get(SLURM_SIGNAL_KEY)
+        if warning:
+            info.request.cmd.append(f"--signal={warning}")
+        return info
 
 
 def _number(value: Any) -> int:

@@ -14,8 +14,9 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -31,6 +32,12 @@ from titan_kedro.launch.secrets import (
     secret_values,
     tracking_secrets,
     with_secret_ref,
+)
+from titan_kedro.launch.slurm_jobs import (
+    RequeueBound,
+    continuable_end,
+    continuing,
+    slurm_job_id,
 )
 from titan_kedro.launch.supervise import OutputFollower, supervise, wait_until
 from titan_kedro.launch.torchrun import (
@@ -133,6 +140,49 @@ def _failing_replica(status: AppStatus, tails: list[deque[str]]) -> int:
     return 0
 
 
+def submit(runner: Runner, cfg: Any, app: AppDef, credentials: Mapping[str, str]) -> str:
+    """Submit ``app`` to ``cfg.launch.scheduler`` (options checked); its TorchX handle.
+
+    ``sbatch`` (and ``local_cwd``) hand this process's environment to the job: the
+    credentials travel by name, and the URI as the nodes get it (the user's own may hold
+    them); Kubernetes references the Secret instead (``with_secret_ref``).
+    """
+    launch = cfg.launch
+    info = with_secret_ref(dryrun_info(runner, app, launch), launch.scheduler_args)
+    _install_interrupt_handlers()  # after TorchX's local scheduler installed its own
+    uri = {k: v for k, v in app.roles[0].env.items() if k == TRACKING_URI_ENV}
+    host = launch.scheduler in HOST_SCHEDULERS
+    with exported({**credentials, **uri} if host else {}):
+        handle = runner.schedule(info)
+    replicas = app.roles[0].num_replicas
+    logger.info("submitted %s (%d × %d workers)", handle, replicas, launch.nproc_per_node)
+    return handle
+
+
+def follow_output(
+    runner: Runner,
+    handle: str,
+    replicas: int,
+    console: IO[str],
+    *,
+    secrets: Iterable[str],
+    prefixes: list[str] | None,
+) -> OutputFollower:
+    """Echo every replica's output of job ``handle`` (masked), keeping the tails."""
+    secrets = list(secrets)
+    return OutputFollower(
+        [
+            lambda k=k: (
+                redact(line, secrets)
+                for line in runner.log_lines(handle, ROLE, k, should_tail=True)
+            )
+            for k in range(replicas)
+        ],
+        console,
+        prefixes,
+    )
+
+
 def _ended(status: AppStatus | None) -> bool:
     return status is None or status.is_terminal()
 
@@ -177,34 +227,35 @@ def run_job(
     before = run_dirs(log_dir)
     credentials = dict(credentials or {})
     secrets = secret_values(credentials)
+    replicas = app.roles[0].num_replicas
+    kind = "group" if cfg.fault_tolerance.enable else "node"
+    deadline = time.monotonic() + launch.timeout_s if launch.timeout_s else None
+    earlier: list[str] = []  # ended Slurm jobs that the next submission continues
     with signals_restored(), get_runner() as runner:
-        info = with_secret_ref(dryrun_info(runner, app, launch), launch.scheduler_args)
-        _install_interrupt_handlers()
-        # sbatch hands this process's environment to the job: the credentials by name, and
-        # the URI as the nodes get it (the user's own may hold them).
-        uri = {k: v for k, v in app.roles[0].env.items() if k == TRACKING_URI_ENV}
-        host = launch.scheduler in HOST_SCHEDULERS
-        with exported({**credentials, **uri} if host else {}):
-            handle = runner.schedule(info)
-        replicas = app.roles[0].num_replicas
-        kind = "group" if cfg.fault_tolerance.enable else "node"
-        logger.info("submitted %s (%d × %d workers)", handle, replicas, launch.nproc_per_node)
-        follower = OutputFollower(
-            [
-                lambda k=k: (
-                    redact(line, secrets)
-                    for line in runner.log_lines(handle, ROLE, k, should_tail=True)
-                )
-                for k in range(replicas)
-            ],
-            console,
-            [f"[{kind} {k}] " for k in range(replicas)] if replicas > 1 else None,
-        )
-        status, timed_out = supervise(
-            lambda: runner.status(handle), _ended, lambda: _cancel(runner, handle),
-            timeout_s=launch.timeout_s, poll_s=poll_s,
-        )  # fmt: skip
-        follower.join(10)
+        while True:
+            handle = submit(runner, cfg, continuing(app, earlier), credentials)
+            follower = follow_output(
+                runner, handle, replicas, console, secrets=secrets,
+                prefixes=[f"[{kind} {k}] " for k in range(replicas)] if replicas > 1 else None,
+            )  # fmt: skip
+            requeues = RequeueBound(launch, handle)
+            status, timed_out = supervise(
+                lambda: requeues.check(runner.status(handle)),  # noqa: B023  (this attempt's)
+                _ended,
+                lambda: _cancel(runner, handle),  # noqa: B023
+                timeout_s=None if deadline is None else max(1.0, deadline - time.monotonic()),
+                poll_s=poll_s,
+            )
+            follower.join(10)
+            ended = None if timed_out or status is None else continuable_end(handle)
+            if ended is None or len(earlier) >= launch.continues:
+                break
+            earlier.append(str(slurm_job_id(handle)))
+            logger.warning(
+                "Slurm job %s ended %s: submitting it again (%d of launch.auto_continue=%d) to "
+                "continue from its latest checkpoint in the same MLflow run",
+                handle, ended, len(earlier), launch.continues,
+            )  # fmt: skip
     if status is not None and status.state == AppState.SUCCEEDED and not timed_out:
         return handle
     state = "gone from the scheduler" if status is None else status.state.name

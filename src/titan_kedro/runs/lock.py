@@ -13,8 +13,8 @@ Whether the holder is alive:
 - on another host (a remote job, a node that crashed): only its heartbeat can tell; the
   lock is stale once it is older than ``checkpoint.lock_timeout_s``.
 
-A stale lock is taken over with a warning. A restarted worker group (torchrun restart,
-same torchrun run id) takes over its own earlier attempt's lock once that attempt's process
+A stale lock is taken over with a warning. A restarted worker group (torchrun restart or a
+Slurm requeue, same run id) takes over its own earlier attempt's lock once that attempt's process
 is gone (on this host: its pid no longer runs as recorded; on another host the restart
 itself says so). ``checkpoint.break_lock`` takes any lock: for a holder known to be gone
 that the checks cannot see as such.
@@ -60,6 +60,7 @@ from typing import Any
 import psutil
 
 from titan_kedro.runs.lock_files import create_empty, link_new
+from titan_kedro.runs.restarts import job_restarted, own_run_ids
 from titan_kedro.storage import is_remote
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,6 @@ logger = logging.getLogger(__name__)
 LOCK_FILE = "writer.lock"
 GROUP_ENV = "TORCHELASTIC_RUN_ID"
 """torchrun's run id: the same for every attempt of one worker group."""
-RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 HEARTBEATS_PER_TIMEOUT = 4
 """The holder refreshes the lock this many times per ``lock_timeout_s``."""
 
@@ -169,9 +169,8 @@ def _own_earlier_attempt(holder: LockHolder, heartbeat_age_s: float, timeout_s: 
     On this host the holder's process is checked (a live one that shares the torchrun run
     id is another group, not an earlier attempt); on another host the restart says so.
     """
-    group = os.environ.get(GROUP_ENV)
-    restarted = int(os.environ.get(RESTART_ENV, "0") or 0) > 0
-    if not (restarted and group is not None and holder.group == group):
+    # torchrun's restart, Slurm's requeue, or the launcher's continuation of an ended job
+    if not (job_restarted() and holder.group in own_run_ids()):
         return False
     if holder.host == socket.gethostname():
         return not holder_alive(holder, heartbeat_age_s, timeout_s)

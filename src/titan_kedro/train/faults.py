@@ -10,6 +10,10 @@ ignored, even when set. With it:
   group: that group's rank SIGKILLs itself (a machine lost, no handler runs), only on the
   group's first start (``ft.identity.group_attempt`` 0), so the restarted group heals and
   trains on.
+- ``TITAN_KEDRO_CRASH_HANG=1``: the crashing rank prints that it waits and sleeps instead
+  of dying, so the test kills it from outside (``scancel``, ``scontrol requeue``: how a
+  lost node or a preemption looks to Slurm). No crash hook fires in a job Slurm requeued
+  (``SLURM_RESTART_COUNT`` above 0).
 - ``TITAN_KEDRO_DEGRADED_STEP_DELAY_S=<seconds>`` slows the steps the live groups take
   without all groups (``ft.replica.ReplicaGroupFT.begin_step``), so they are still
   training when a killed group returns (a real step takes minutes, a test's milliseconds).
@@ -26,17 +30,24 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from titan_kedro.ft.identity import GROUP_ATTEMPT_ENV, REPLICA_ID_ENV, TORCHRUN_RESTART_ENV
+from titan_kedro.ft.identity import (
+    GROUP_ATTEMPT_ENV,
+    REPLICA_ID_ENV,
+    SLURM_RESTART_ENV,
+    TORCHRUN_RESTART_ENV,
+)
 
 TEST_HOOKS_ENV = "TITAN_KEDRO_TEST_HOOKS"
 """The one switch: ``1`` turns the test hooks on; anything else leaves them all off."""
 CRASH_STEP_ENV = "TITAN_KEDRO_CRASH_AT_STEP"
 CRASH_RANK_ENV = "TITAN_KEDRO_CRASH_RANK"
 CRASH_GROUP_ENV = "TITAN_KEDRO_CRASH_GROUP"
+CRASH_HANG_ENV = "TITAN_KEDRO_CRASH_HANG"
 DEGRADED_DELAY_ENV = "TITAN_KEDRO_DEGRADED_STEP_DELAY_S"
 CRASH_EXIT_CODE = 17
 
@@ -53,6 +64,8 @@ class TestHooks:
     """The step before whose forward pass this rank dies (None: it never does)."""
     crash_group: str | None = None
     """The replica group that dies (SIGKILL) instead of exiting; None without one."""
+    crash_hang: bool = False
+    """The crashing rank waits to be killed from outside instead of dying."""
     degraded_step_delay_s: float = 0.0
     """Seconds each fault-tolerant step sleeps while fewer than all groups take part."""
     state_digest: bool = False
@@ -75,12 +88,19 @@ class TestHooks:
         return cls(
             crash_at_step=_crash_step(env, rank),
             crash_group=env.get(CRASH_GROUP_ENV),
+            crash_hang=env.get(CRASH_HANG_ENV) == "1",
             degraded_step_delay_s=_number(env, DEGRADED_DELAY_ENV, float, "0"),
             state_digest=True,
         )
 
     def crash(self, step: int, rank: int) -> None:
-        """Die now (the trainer calls this when ``step == crash_at_step``)."""
+        """Die now (the trainer calls this when ``step == crash_at_step``), or wait to be
+        killed (``crash_hang``)."""
+        if self.crash_hang:
+            print(f"[fault injection] rank {rank} waits to be killed at step {step}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            while True:
+                time.sleep(3600)
         if self.crash_group is not None:
             print(f"[fault injection] group {self.crash_group} rank {rank} SIGKILLs itself at "
                   f"step {step}", file=sys.stderr, flush=True)  # fmt: skip
@@ -96,7 +116,7 @@ def _crash_step(env: Mapping[str, str], rank: int) -> int | None:
     step = _number(env, CRASH_STEP_ENV, int, "0")
     if _number(env, CRASH_RANK_ENV, int, "0") != rank:
         return None
-    if _number(env, TORCHRUN_RESTART_ENV, int, "0") != 0:
+    if any(_number(env, name, int, "0") for name in (TORCHRUN_RESTART_ENV, SLURM_RESTART_ENV)):
         return None
     group = env.get(CRASH_GROUP_ENV)
     if group is not None and (

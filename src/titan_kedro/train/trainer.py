@@ -27,6 +27,7 @@ from titan_kedro.models.resolve import ResolvedJob
 from titan_kedro.models.tensor_parallel import loss_context
 from titan_kedro.runs.folders import run_folder
 from titan_kedro.runs.identity import checkpoint_metadata
+from titan_kedro.runs.restarts import job_restarted
 from titan_kedro.tracking.mlflow_logger import MlflowMetricsSink
 from titan_kedro.train.checkpoint.manager import CheckpointManager, ModelState
 from titan_kedro.train.device import env_int, init_process_group, resolve_device, set_cpu_threads
@@ -204,9 +205,8 @@ class Trainer:
             enable=cfg.checkpoint.enable,
         )
         self.resumed_from: Path | None = None
-        resume = self.checkpointer.resolve_resume(
-            cfg.checkpoint.resume, restarted=env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0
-        )
+        # A torchrun restart or a Slurm requeue continues its own latest checkpoint.
+        resume = self.checkpointer.resolve_resume(cfg.checkpoint.resume, restarted=job_restarted())
         if resume is not None:
             self.checkpointer.load(resume)
             self.resumed_from = resume
@@ -368,7 +368,7 @@ class Trainer:
                     )
                     self.metrics.log(step, step_metrics)
                 self.metrics.advance()
-            if (step % cfg.checkpoint.interval == 0 or final) and leader:
+            if self.checkpointer.due(step, cfg.checkpoint.interval, final) and leader:
                 meta = replace(self.run_metadata, loss=float(self.state.last_loss))
                 self.checkpointer.save(step, meta)
         summary = {

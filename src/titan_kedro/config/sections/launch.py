@@ -15,6 +15,9 @@ LOCAL_CWD_SCHEDULER = "local_cwd"
 """TorchX's scheduler for several torchrun agents on this machine (tests and demos)."""
 FT_SCHEDULERS = (LOCAL_SCHEDULER, LOCAL_CWD_SCHEDULER)
 """Schedulers that run fault-tolerant replica groups (on this machine)."""
+FT_JOB_PER_GROUP_SCHEDULERS = ("slurm",)
+"""Schedulers that run each fault-tolerant replica group as a job of its own
+(``launch/slurm_groups.py``), ``launch.nnodes`` nodes per group."""
 
 
 @functools.cache
@@ -66,6 +69,13 @@ class LaunchSection(Section):
     """torchrun's per-worker log folder (and the replicas' logs under ``local_cwd``)."""
     timeout_s: StrictInt | None = Field(None, gt=0)
     """Stop the whole launch (cancel the TorchX job) after this many seconds (None: no limit)."""
+    auto_continue: StrictInt | None = Field(None, ge=0)
+    """How often a Slurm job that the scheduler requeues (preemption, ``scontrol requeue``,
+    a lost node) or ends at its time limit continues from its latest complete checkpoint in
+    the same MLflow run without a person. None: 3 for remote schedulers, 0 on this machine."""
+    save_before_limit_s: StrictInt | None = Field(120, ge=1)
+    """Slurm: the workers get ``SIGUSR1`` this many seconds before the job's time limit
+    (``sbatch --signal``) and save a checkpoint at the next step (None: no signal)."""
 
     @field_validator("scheduler")
     @classmethod
@@ -82,6 +92,13 @@ class LaunchSection(Section):
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
+
+    @property
+    def continues(self) -> int:
+        """``auto_continue`` resolved: its value, else 3 for remote schedulers, 0 here."""
+        if self.auto_continue is not None:
+            return self.auto_continue
+        return 0 if self.scheduler in FT_SCHEDULERS else 3
 
 
 class PlanSection(Section):

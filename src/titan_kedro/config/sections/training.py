@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
@@ -136,7 +137,22 @@ class FaultToleranceSection(Section):
     """Fewest live groups a step may commit with (at most ``replica_groups``)."""
     lighthouse_address: str | None = None
     """``http://host:port`` of a running TorchFT lighthouse; None: the launcher starts one on
-    127.0.0.1 for the run and stops it afterwards."""
+    ``lighthouse_bind`` for the run and stops it afterwards."""
+    lighthouse_bind: str = "127.0.0.1"
+    """The one address the launcher's lighthouses listen on: an address of one of the submit
+    host's interfaces that every group's nodes reach (on Slurm, the host's cluster-network
+    address; loopback serves a one-host cluster). ``0.0.0.0`` listens on every interface,
+    only when asked for (anyone who reaches the host may then join or disturb the quorum)."""
+
+    @field_validator("lighthouse_bind")
+    @classmethod
+    def _one_address(cls, value: str) -> str:
+        if not value or (any(c in value for c in " /:[]@") and not _is_ipv6(value)):
+            raise ValueError(
+                f"fault_tolerance.lighthouse_bind={value!r} is not an address: set one IP "
+                "address or host name of this machine (e.g. 10.0.0.5), without a port"
+            )
+        return value
 
     @field_validator("lighthouse_address")
     @classmethod
@@ -162,7 +178,15 @@ class FaultToleranceSection(Section):
     """Timeout of the cross-group collectives, the commit vote and the healing transfer."""
     max_group_restarts: StrictInt = Field(3, ge=0)
     """How often a dead group is restarted (per group) before the job fails: by the launcher
-    (``launch.scheduler: local``) or by the group's own torchrun (``local_cwd``)."""
+    (``launch.scheduler: local``; ``slurm``: its job is submitted again) or by the group's own
+    torchrun (``local_cwd``)."""
+
+
+def _is_ipv6(value: str) -> bool:
+    try:
+        return ipaddress.ip_address(value).version == 6
+    except ValueError:
+        return False
 
 
 def _address_problem(value: str) -> str | None:

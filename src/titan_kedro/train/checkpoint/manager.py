@@ -56,6 +56,7 @@ from titan_kedro.train.checkpoint.publish import (
 )
 from titan_kedro.train.checkpoint.rank_zero import on_rank_zero
 from titan_kedro.train.checkpoint.safe_load import UnsafeCheckpointError, safe_dcp_load
+from titan_kedro.train.save_signal import SaveSignal
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +163,14 @@ class CheckpointManager:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.last_saved: StoragePath | None = None
+        self.save_signal = SaveSignal()
+
+    def due(self, step: int, interval: int, final: bool) -> bool:
+        """Whether step ``step`` saves: every ``interval`` steps, the last step, or the step
+        after the scheduler's warning that the job ends soon (collective: every rank of the
+        group calls it at every step)."""
+        warned = self.save_signal.due()
+        return step % interval == 0 or final or warned
 
     def save(self, step: int, metadata: CheckpointMetadata | None = None) -> StoragePath | None:
         """Write ``step-{step}`` atomically (collective: every rank calls it).
