@@ -25,8 +25,8 @@ from titan_kedro.storage.folders import CACHE_ENV
 
 pytestmark = pytest.mark.slow
 
-# The real tokenizer's 102,400-row tables stay; everything else is TINY_DEEPSEEK's.
-MODEL = {k: v for k, v in TINY_DEEPSEEK.items() if k != "vocab_size"}
+# The real tokenizer's 102,400-row tables stay, only 16 wide; the rest is TINY_DEEPSEEK's.
+MODEL = {**{k: v for k, v in TINY_DEEPSEEK.items() if k != "vocab_size"}, "dim": 16}
 PARAMS = {
     "model": {"name": "deepseek_v2", "flavor": "debugmodel", "overrides": MODEL},
     "training": {"steps": 6, "seq_len": 32, "local_batch_size": 2, "num_threads": 1},
@@ -94,7 +94,11 @@ def test_a_kedro_run_on_s3_stopped_at_step_4_continues_and_exports_like_local_di
     fs.get(f"{bucket}/tokens/", str(tmp_path / "tokens"), recursive=True)
     job_config = node_job_config(project / "data/07_model_output/job", run.info.run_id)
     reference = rerun_here(
-        job_config, tmp_path / "local", nproc=1, data={"token_dir": str(tmp_path / "tokens")}
+        job_config,
+        tmp_path / "local",
+        nproc=1,
+        data={"token_dir": str(tmp_path / "tokens")},
+        checkpoint={"interval": 100},
     )
     losses = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
     assert sorted(losses) == sorted(reference) == [1, 2, 3, 4, 5, 6]
