@@ -78,7 +78,7 @@ def test_a_kedro_run_on_s3_stopped_at_step_4_continues_and_exports_like_local_di
     continued = kedro_run(
         project,
         "--pipelines", "training,evaluation,reporting,export_hf",
-        "--params", "checkpoint.resume=latest",
+        "--params", f"data.raw_dir={uri}/c4,checkpoint.resume=latest",
     )  # fmt: skip
     output = continued.stdout + continued.stderr
     assert continued.returncode == 0, output[-6000:]
