@@ -134,18 +134,9 @@ def start(state: Path) -> dict[str, str]:
         "-master.telemetry=false",
         "-metricsPort=0",
     ]
-    with open(state / "weed.log", "ab") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True
-        )
-    (state / "weed.pid").write_text(str(proc.pid))
     endpoint = f"http://127.0.0.1:{ports['s3.port']}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not _answers(endpoint):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop(state)
-            raise SystemExit(f"s3_up: weed did not start; see {state / 'weed.log'}")
-        time.sleep(0.2)
+    (state / "weed.cmd.json").write_text(json.dumps({"cmd": cmd, "endpoint": endpoint}))
+    _launch(state, cmd, endpoint)
     env = {
         "TITAN_TEST_S3_ENDPOINT": endpoint,
         "TITAN_TEST_S3_KEY": key,
@@ -155,6 +146,28 @@ def start(state: Path) -> dict[str, str]:
     env_file.touch(mode=0o600)
     env_file.write_text(json.dumps(env))
     return env
+
+
+def restart(state: Path) -> None:
+    """Start the server ``state`` held again, on its data, ports and key (after a kill)."""
+    saved = json.loads((state / "weed.cmd.json").read_text())
+    # A master restarted on its raft state waits out an election timeout (10 s by default).
+    _launch(state, [*saved["cmd"], "-master.electionTimeout=1s"], saved["endpoint"])
+
+
+def _launch(state: Path, cmd: list[str], endpoint: str) -> None:
+    """Run ``cmd`` in its own session, recorded in ``state/weed.pid``, until it answers."""
+    with open(state / "weed.log", "ab") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+    (state / "weed.pid").write_text(str(proc.pid))
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not _answers(endpoint):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(state)
+            raise SystemExit(f"s3_up: weed did not start; see {state / 'weed.log'}")
+        time.sleep(0.2)
 
 
 def _reap(pid: int) -> None:
