@@ -145,12 +145,22 @@ def crashed(server: Server, project: Path) -> subprocess.CompletedProcess[str]:
 
 def requeue(job_id: str) -> None:
     """``scontrol requeue`` (how a preemption looks), then start it at once: Slurm holds a
-    requeued job for about two minutes first."""
+    requeued job for about two minutes (reason ``BeginTime``). Moving its start time works
+    only once it is pending again: while its processes are still being killed the update
+    succeeds and the requeue then sets the hold anyway."""
     subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
-    for _ in range(40):
-        update = ["scontrol", "update", f"JobId={job_id}", "StartTime=now"]
-        if subprocess.run(update, capture_output=True, timeout=30, check=False).returncode == 0:
-            return
+    released = False
+    for _ in range(120):
+        held = subprocess.run(
+            ["squeue", "--noheader", "--jobs", job_id, "--format=%T %r"],
+            capture_output=True, text=True, timeout=30, check=False,
+        ).stdout.split()  # fmt: skip
+        if "BeginTime" in held:
+            update = ["scontrol", "update", f"JobId={job_id}", "StartTime=now"]
+            done = subprocess.run(update, capture_output=True, timeout=30, check=False)
+            released = done.returncode == 0
+        elif released and "PENDING" not in held:
+            return  # started again (or already ended)
         time.sleep(0.5)
     raise AssertionError(f"requeued job {job_id} could not be released")
 
