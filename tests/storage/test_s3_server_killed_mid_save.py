@@ -41,6 +41,16 @@ def own_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path,
         s3_up.stop(state)
 
 
+@pytest.fixture
+def fresh_s3_clients() -> Iterator[None]:
+    """No cached s3fs client of another server: fsspec caches filesystems by their
+    arguments, not by the ``AWS_*`` variables this test points at its own server, so a
+    client made by an earlier test would keep talking to the shared server."""
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield
+    s3fs.S3FileSystem.clear_instance_cache()  # and later tests get none of this server's
+
+
 def _kill(state: Path) -> None:
     """SIGKILL the server's process group (started by this module) and wait until it is gone."""
     pid = int((state / "weed.pid").read_text())
@@ -65,6 +75,7 @@ def _manager(folder: str, model: nn.Module) -> CheckpointManager:
     )
 
 
+@pytest.mark.usefixtures("fresh_s3_clients")
 def test_a_save_the_killed_server_cut_off_is_not_resumed_after_its_restart(
     own_server: tuple[Path, dict[str, str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
