@@ -25,9 +25,14 @@ run: install
 # The suite runs inside tests/services.sh, which starts the services it needs (the one-host
 # Slurm cluster: as root it apt-installs Debian's Slurm packages if missing) and stops them
 # after; without root it fails at once naming the command that fixes it.
+# TEST_WORKERS pytest-xdist workers share the machine: most tests wait on other processes
+# (torchrun start-up, Slurm, servers), so two workers keep 2 cores busy. A module stays on
+# one worker, and the Slurm tests on one (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: install
 	$(BIN)/ruff check src tests benchmarks examples
-	TITAN_TEST_PYTHON=$(BIN)/python tests/services.sh $(BIN)/python -m pytest $(PYTEST_ARGS)
+	TITAN_TEST_PYTHON=$(BIN)/python tests/services.sh $(BIN)/python -m pytest \
+		-n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks examples

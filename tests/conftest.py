@@ -132,6 +132,56 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+SLURM_CLUSTER_MODULES = (
+    "tests/launch/test_slurm.py",
+    "tests/launch/test_slurm_ft.py",
+    "tests/launch/test_tokenize_job.py",
+)
+"""The modules with tests marked ``slurm_cluster``. Under ``make test``'s ``pytest -n 2
+--dist loadfile`` they run on one worker, one after another: the one-host cluster has two
+nodes, and every 2-node job meets at ``localhost:29500`` (on a real cluster, at its own
+first node), so two such jobs at once break each other's rendezvous."""
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile``, with the Slurm cluster's modules as one unit of work.
+
+    A module's tests stay on one worker, so a module fixture (a shared ``kedro run``) runs
+    once. Units go out in collection order (``pytest_collection_modifyitems`` puts the
+    longest first).
+    """
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "slurm_cluster" if module in SLURM_CLUSTER_MODULES else module
+
+    config.option.loadscopereorder = False
+    return FileScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The Slurm modules first, then the other modules with slow tests, then the rest.
+
+    The Slurm modules are the longest chain of ``make test``'s workers, so they start
+    first; modules move whole, so their module fixtures are set up once.
+
+    Raises:
+        pytest.UsageError: A test marked ``slurm_cluster`` is in a module missing from
+            ``SLURM_CLUSTER_MODULES``.
+    """
+    root = config.rootpath
+    on_cluster = {item.path for item in items if item.get_closest_marker("slurm_cluster")}
+    unlisted = {p.relative_to(root).as_posix() for p in on_cluster} - set(SLURM_CLUSTER_MODULES)
+    if unlisted:
+        raise pytest.UsageError(f"add {sorted(unlisted)} to SLURM_CLUSTER_MODULES in {__file__}")
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (item.path not in on_cluster, item.path not in slow))
+
+
 _PROCESS_ENV_KEPT = (
     "MLFLOW_TRACKING_URI",
     "MLFLOW_TRACKING_USERNAME",

@@ -33,7 +33,7 @@ from titan_kedro.config import build_job_config, dump_job_config
 from titan_kedro.launch import launch_job, prepare_job
 from titan_kedro.launch.slurm_jobs import requeue_count
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.slurm_cluster]
 
 HOST = socket.gethostname()
 PASSWORD = "s3cret-Pa55"

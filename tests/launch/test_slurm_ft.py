@@ -43,7 +43,7 @@ from train.helpers import node_job_config, rerun_here, write_token_dir
 from titan_kedro.config import build_job_config, dump_job_config
 from titan_kedro.launch import launch_job, prepare_job
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.slurm_cluster]
 
 ENV = "slurmft"
 STEPS = 8

@@ -204,6 +204,7 @@ def test_a_job_past_its_timeout_is_cancelled_and_says_so(
 
 
 @pytest.mark.slow
+@pytest.mark.slurm_cluster
 def test_two_slurm_nodes_give_the_one_machine_totals_and_fingerprints(
     corpus: Path,
     one_machine: dict[str, Any],
