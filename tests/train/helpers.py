@@ -168,6 +168,33 @@ def step_losses(dump_folder: str | Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in read_metrics(dump_folder) if "loss" in row}
 
 
+def train_here(raw: dict[str, Any], *, in_spawned_rank: bool = False) -> list[dict[str, Any]]:
+    """Train the job ``raw`` in this process (no torchrun) and return its metrics rows.
+
+    Alone, the trainer makes and ends its own one-rank group; ``in_spawned_rank`` keeps
+    the group of ``run_ranks`` (which outlives the trainer) and closes only the metrics.
+    """
+    from titan_kedro.models.resolve import resolve_job_config
+    from titan_kedro.train.trainer import Trainer
+
+    trainer = Trainer(resolve_job_config(raw, source="test"))
+    try:
+        trainer.train()
+    finally:
+        if not in_spawned_rank:
+            trainer.close()
+        elif trainer.metrics is not None:
+            trainer.metrics.close()
+    return read_metrics(raw["job"]["dump_folder"])
+
+
+def train_each(rank: int, world: int, jobs: list[dict[str, Any]]) -> None:
+    """For ``run_ranks``: train ``jobs`` one after the other on the spawned ranks' group
+    (one start-up for several layouts)."""
+    for raw in jobs:
+        train_here(raw, in_spawned_rank=True)
+
+
 def _rank_entry(
     rank: int,
     world: int,

@@ -16,9 +16,12 @@ import pytest
 from train.helpers import (
     TINY_DEEPSEEK,
     read_metrics,
+    run_ranks,
     run_worker,
     step_losses,
     tiny_job,
+    train_each,
+    train_here,
     write_token_dir,
 )
 
@@ -70,23 +73,24 @@ def _moe_job(
     )
 
 
-@pytest.mark.parametrize("model", list(MODELS))
-def test_four_rank_ep_layouts_train_like_one_process_with_accumulation(
-    tmp_path: Path, model: str
-) -> None:
+def test_four_rank_ep_layouts_train_like_one_process_with_accumulation(tmp_path: Path) -> None:
     tokens = write_token_dir(tmp_path / "tokens", n_train=4_000)
-    steps = list(range(1, MODELS[model]["steps"] + 1))
-    reference_job = _moe_job(tmp_path, tokens, "one", {}, model)
-    run_worker(reference_job, nproc=1)
-    reference = read_metrics(reference_job["job"]["dump_folder"])
-    assert [row["step"] for row in reference] == steps
-    assert reference[-1]["loss"] < reference[0]["loss"]
-    for name in MODELS[model]["layouts"]:
-        job = _moe_job(tmp_path, tokens, name, LAYOUTS[name], model)
-        run_worker(job, nproc=4, timeout_s=300)
+    references, jobs = {}, {}
+    for model, spec in MODELS.items():
+        references[model] = train_here(_moe_job(tmp_path, tokens, f"one_{model}", {}, model))
+        steps = [row["step"] for row in references[model]]
+        assert steps == list(range(1, spec["steps"] + 1)), model
+        assert references[model][-1]["loss"] < references[model][0]["loss"], model
+        for name in spec["layouts"]:
+            job = _moe_job(tmp_path, tokens, f"{model}_{name}", LAYOUTS[name], model)
+            job["launch"] = {**job["launch"], "nproc_per_node": 4}
+            jobs[model, name] = job
+    # Every 4-rank layout in one spawn of 4 gloo ranks (one start-up, not one per layout).
+    run_ranks(train_each, list(jobs.values()), store=tmp_path / "store", world=4)
+    for (model, name), job in jobs.items():
         rows = read_metrics(job["job"]["dump_folder"])
-        assert [row["step"] for row in rows] == steps, name
-        for ours, theirs in zip(rows, reference, strict=True):
+        assert [row["step"] for row in rows] == [row["step"] for row in references[model]], name
+        for ours, theirs in zip(rows, references[model], strict=True):
             for key in MODELS[model]["keys"]:
                 assert ours[key] == pytest.approx(theirs[key], rel=1e-5), (name, ours["step"], key)
 
