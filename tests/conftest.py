@@ -8,6 +8,7 @@ import os
 import random
 import shutil
 import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -210,7 +211,7 @@ def _forget_active_mlflow_experiment() -> Iterator[None]:
     """``mlflow.set_experiment`` (tests, Kedro sessions) sets a process-wide experiment id
     that another test's fresh tracking store does not have; forget it after every test."""
     yield
-    from mlflow.tracking import fluent
-
-    fluent._active_experiment_id = None
+    fluent = sys.modules.get("mlflow.tracking.fluent")  # never set where mlflow was not imported
+    if fluent is not None:
+        fluent._active_experiment_id = None
     os.environ.pop("MLFLOW_EXPERIMENT_ID", None)

@@ -28,8 +28,9 @@ from train.helpers import (
     TINY_DEEPSEEK,
     read_metrics,
     run_ranks,
-    run_worker,
     tiny_job,
+    train_each,
+    train_here,
     validation_loader,
     write_token_dir,
 )
@@ -161,22 +162,19 @@ def _job(tmp_path: Path, token_dir: Path, name: str, *, nproc: int, ep: int) -> 
     )
 
 
-def _run(
-    tmp_path: Path, token_dir: Path, name: str, *, nproc: int, ep: int
-) -> list[dict[str, Any]]:
-    raw = _job(tmp_path, token_dir, name, nproc=nproc, ep=ep)
-    run_worker(raw, nproc=nproc)
-    return read_metrics(raw["job"]["dump_folder"])
-
-
 @pytest.mark.slow
 def test_ep2_ep1_and_grad_accumulation_train_alike(tmp_path: Path) -> None:
     token_dir = write_token_dir(tmp_path / "tokens", n_train=4_000)
-    runs = {
-        "ep2": _run(tmp_path, token_dir, "ep2", nproc=2, ep=2),
-        "ep1": _run(tmp_path, token_dir, "ep1", nproc=2, ep=1),
-        "accum": _run(tmp_path, token_dir, "accum", nproc=1, ep=1),
+    jobs = {
+        name: _job(tmp_path, token_dir, name, nproc=2, ep=ep)
+        for name, ep in (("ep2", 2), ("ep1", 1))
     }
+    for raw in jobs.values():
+        raw["launch"] = {**raw["launch"], "nproc_per_node": 2}
+    # Both 2-rank runs in one spawn of 2 gloo ranks; the reference in this process.
+    run_ranks(train_each, list(jobs.values()), store=tmp_path / "store")
+    runs = {name: read_metrics(raw["job"]["dump_folder"]) for name, raw in jobs.items()}
+    runs["accum"] = train_here(_job(tmp_path, token_dir, "accum", nproc=1, ep=1))
     reference = runs["accum"]
     assert [row["step"] for row in reference] == [1, 2, 3, 4, 5]
     for name, rows in runs.items():
