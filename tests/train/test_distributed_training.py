@@ -15,7 +15,17 @@ from titan_kedro.launch.appdef import free_port
 from titan_kedro.launch.torchrun import torchrun_command
 from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.train.faults import CRASH_RANK_ENV, CRASH_STEP_ENV, TEST_HOOKS_ENV
-from train.helpers import REPO, read_metrics, run_worker, step_losses, tiny_job, write_token_dir
+from train.helpers import (
+    REPO,
+    read_metrics,
+    run_ranks,
+    run_worker,
+    step_losses,
+    tiny_job,
+    train_each,
+    train_here,
+    write_token_dir,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -32,8 +42,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tokens = write_token_dir(root / "tokens")
     single = tiny_job(root / "single", tokens, **JOB)
     fsdp = tiny_job(root / "fsdp", tokens, **JOB)
-    run_worker(single, nproc=1)
-    run_worker(fsdp, nproc=2)
+    train_here(single)  # in this process, and FSDP in a 2-rank spawn: no torchrun start-up
+    fsdp["launch"] = {**fsdp["launch"], "nproc_per_node": 2}
+    run_ranks(train_each, [fsdp], store=root / "store")
     return {"root": root, "tokens": tokens, "single": root / "single", "fsdp": root / "fsdp"}
 
 
