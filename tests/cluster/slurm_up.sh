@@ -103,6 +103,7 @@ SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
 SchedulerParameters=bf_interval=1
 ReturnToService=2
+SlurmdTimeout=10
 MpiDefault=none
 KillWait=10
 MinJobAge=3600
