@@ -10,8 +10,11 @@ node silent after ``SlurmdTimeout`` and ends the job ``NODE_FAIL`` (a group's jo
 submitted with ``--no-requeue``); the launcher submits the group again, the test starts the
 node's slurmd again, the new job starts there, heals from group 0, and both finish in one
 MLflow run. The same resubmission after ``scancel`` is unit-tested with a fake runner
-(``test_slurm_groups.py``): only how the job ends differs. A second, short launch is interrupted (Ctrl-C, in this process,
-right after submitting) and must leave nothing in ``squeue`` and no lighthouse port open.
+(``test_slurm_groups.py``): only how the job ends differs. The run is launched in this
+process (``prepare_job`` and ``launch_job``, what the training node calls), not by
+``kedro run``, whose start (about 45 s) ``test_slurm.py`` already pays. A second, short
+launch is interrupted (Ctrl-C, in this process, right after submitting) and must leave
+nothing in ``squeue`` and no lighthouse port open.
 """
 
 from __future__ import annotations
@@ -60,12 +63,14 @@ from titan_kedro.launch.slurm_jobs import requeue_count
 
 pytestmark = pytest.mark.slow
 
-STEPS = 20
+STEPS = 24
 FAULT_STEP = 9
 """Group 1's node is lost before this step: steps 1–8 run without a fault."""
 DEGRADED_DELAY_S = 8.0
 """Each step group 0 takes alone sleeps this long (a test hook), so that it is still
-training when group 1 comes back (noticing the lost node alone takes Slurm about 30 s)."""
+training when group 1 comes back: noticing the lost node takes Slurm about 30 s, the new
+job's start about 15 s more, longer while other tests hold the nodes. The 16 steps after
+the fault cost that long only while group 1 is away."""
 QUORUM_TIMEOUT_S = 20.0
 HOOKS = {
     "TITAN_KEDRO_TEST_HOOKS": "1", "TITAN_KEDRO_CRASH_AT_STEP": str(FAULT_STEP),
