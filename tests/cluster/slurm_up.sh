@@ -9,6 +9,9 @@
 # two components on one node. The names go into /etc/hosts (the rendezvous endpoint is the
 # first node's name). No accounting: torchx-nightly describes jobs with `squeue --json`.
 # Finished jobs stay known for an hour (MinJobAge), so tests can read their batch scripts.
+# A silent slurmd is noticed after 10 s (SlurmdTimeout; Slurm's default is 300 s) and a
+# restarted one returns its node to service (ReturnToService=2): test_slurm_ft.py kills
+# one node's slurmd and starts it again.
 # Running it again while the cluster is up changes nothing. Needs root (apt-get, /etc).
 set -euo pipefail
 
@@ -103,6 +106,7 @@ SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
 SchedulerParameters=bf_interval=1
 ReturnToService=2
+SlurmdTimeout=10
 MpiDefault=none
 KillWait=10
 MinJobAge=3600

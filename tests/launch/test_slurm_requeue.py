@@ -82,6 +82,7 @@ def test_before_a_time_limit_slurm_warns_the_workers_and_not_the_agent() -> None
     assert role.args[1].startswith("trap '' USR1; ")  # torchrun ignores it, the workers save
     request = dryrun_info(get_runner(), app, cfg.launch).request
     assert "--signal=USR1@90" in request.cmd
+    assert "--no-requeue" not in request.cmd  # a whole job: Slurm requeues it
     job["launch"]["save_before_limit_s"] = None
     off = build_appdef(build_job_config(job), "/shared/job.yaml", {})
     assert "TITAN_KEDRO_SAVE_SIGNAL" not in off.roles[0].env and "trap" not in off.roles[0].args[1]
@@ -132,4 +133,7 @@ def test_a_dry_run_of_groups_on_slurm_writes_one_groups_job(tmp_path: Path) -> N
     summary = launch_job(cfg, dump_job_config(cfg, tmp_path / "job.yaml"), {})
     app = json.loads(Path(summary["appdef_file"]).read_text())
     assert app["name"] == "run-group0" and app["roles"][0]["num_replicas"] == 2
+    # A group's job is not requeued by Slurm (the launcher submits it again); a whole job is.
+    request = Path(summary["request_file"]).read_text()
+    assert "sbatch --parsable" in request and " --no-requeue" in request
     assert app["roles"][0]["env"]["TITAN_KEDRO_REPLICA_ID"] == "0"

@@ -147,11 +147,17 @@ def node_job_config(dump_folder: Path, run_id: str | None = None) -> Path:
 
 
 def rerun_here(
-    job_config: Path, root: Path, *, nproc: int, **sections: dict[str, Any]
+    job_config: Path,
+    root: Path,
+    *,
+    nproc: int,
+    env: dict[str, str] | None = None,
+    **sections: dict[str, Any],
 ) -> dict[int, float]:
     """Train the resolved job a node wrote (its ``job_config.yaml``) again by plain torchrun
-    on this machine, with ``sections`` merged over it, writing only under ``root`` and
-    logging nowhere; returns its ``{step: loss}``."""
+    on this machine, with ``sections`` merged over it (and ``env`` over this process's
+    environment), writing only under ``root`` and logging nowhere; returns its
+    ``{step: loss}``."""
     raw = yaml.safe_load(job_config.read_text(encoding="utf-8"))
     raw["job"].update(dump_folder=str(root / "job"), run_id=None)
     raw["launch"].update(scheduler="local", nnodes=1, log_dir=str(root / "logs"))
@@ -159,7 +165,7 @@ def rerun_here(
     raw["metrics"]["enable_mlflow"] = False
     for name, values in sections.items():
         raw[name] = {**raw.get(name, {}), **values}
-    run_worker(raw, nproc=nproc, timeout_s=600)
+    run_worker(raw, nproc=nproc, extra_env=env, timeout_s=600)
     return step_losses(root / "job")
 
 

@@ -13,7 +13,8 @@ each runs a standalone torchrun of its own (``{launch.log_dir}/replica-<g>``) wi
 schedulers restart whole jobs, not one replica. The lighthouses' addresses come in ``env``
 (``replica_groups.replica_group_services``). On Slurm each group is a job of its own
 instead (``group=g``: ``launch.nnodes`` replicas, ``TITAN_KEDRO_REPLICA_ID=g``, its log
-folder, job name ``<job.name>-group<g>``; ``slurm_groups.SlurmGroupLauncher``).
+folder, job name ``<job.name>-group<g>``, submitted with ``--no-requeue``;
+``slurm_groups.SlurmGroupLauncher``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torchx.specs import macros
 
 from titan_kedro.config.schema import LOCAL_CWD_SCHEDULER
 from titan_kedro.ft.identity import REPLICA_ID_ENV
-from titan_kedro.launch.runner import SLURM_SIGNAL_KEY
+from titan_kedro.launch.runner import SLURM_NO_REQUEUE_KEY, SLURM_SIGNAL_KEY
 from titan_kedro.launch.torchrun import GLOO_IFNAME_ENV, loopback_interface, torchrun_command
 from titan_kedro.runs.parent_death import guarded_command
 from titan_kedro.train.save_signal import SAVE_SIGNAL_ENV
@@ -112,6 +113,9 @@ def build_appdef(
         launch, config_path, python=python, rendezvous=(endpoint, macros.app_id), loopback=local
     )
     metadata = {}
+    if launch.scheduler == "slurm" and cfg.fault_tolerance.enable and group is not None:
+        # Slurm would hold a requeued job for minutes; the launcher submits it again at once.
+        metadata[SLURM_NO_REQUEUE_KEY] = "1"
     if launch.scheduler == LOCAL_CWD_SCHEDULER:
         # The agents are this process's children: they end with it (bash execs the wrapper).
         cmd = ["exec", *guarded_command(cmd, python=python)]

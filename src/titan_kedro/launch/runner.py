@@ -16,7 +16,8 @@ Here the entries are filtered to the job's own (its id, or its heterogeneous job
 the job runs while any of them runs, and failed when any of them failed.
 
 A job whose AppDef asks for it (``launch.save_before_limit_s``) is submitted with
-``sbatch --signal``.
+``sbatch --signal``, and a replica group's job with ``sbatch --no-requeue`` (over the
+script's ``--requeue``): the launcher, not Slurm, starts a dead group again.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from torchx.specs import (
 
 SLURM_SIGNAL_KEY = "titan_kedro/slurm_signal"
 """AppDef metadata: the ``sbatch --signal`` value of a Slurm job (``appdef.build_appdef``)."""
+SLURM_NO_REQUEUE_KEY = "titan_kedro/slurm_no_requeue"
+"""AppDef metadata: submit with ``sbatch --no-requeue`` (a replica group's job)."""
 SESSION = "torchx"
 """TorchX's default session name (handles read ``slurm://torchx/<job id>``)."""
 
@@ -56,11 +59,14 @@ class JobAwareSlurmScheduler(SlurmScheduler):
         return describe_entries(app_id, json.loads(output).get("jobs", []))
 
     def _submit_dryrun(self, app: AppDef, cfg: Any) -> AppDryRunInfo:
-        """TorchX's request, with ``sbatch --signal`` from ``app.metadata`` if asked for."""
+        """TorchX's request, with ``sbatch --signal`` and ``--no-requeue`` from
+        ``app.metadata`` if asked for (options on the command line win over the script's)."""
         info = super()._submit_dryrun(app, cfg)
         warning = app.metadata.get(SLURM_SIGNAL_KEY)
         if warning:
             info.request.cmd.append(f"--signal={warning}")
+        if app.metadata.get(SLURM_NO_REQUEUE_KEY):
+            info.request.cmd.append("--no-requeue")
         return info
 
 
