@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from kedro.config import OmegaConfigLoader
 
-from tests.storage_fixtures import s3_bucket, s3_server  # noqa: F401 (fixtures)
+from tests.storage_fixtures import s3_bucket, s3_module_bucket, s3_server  # noqa: F401 (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,5 @@
-"""The S3 test server's fixtures: ``s3_server`` (session) and ``s3_bucket`` (per test).
+"""The S3 test server's fixtures: ``s3_server`` (session), ``s3_bucket`` (per test) and
+``s3_module_bucket`` (per module).
 
 ``tests/services.sh`` (``make test``, ``.ci/run``) starts the server and exports its endpoint
 and key (``TITAN_TEST_S3_*``); a pytest run without them (one test file run by hand) starts
@@ -75,13 +76,25 @@ def s3_bucket(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Bucket:
     """A fresh bucket on the test server, whose key the environment holds the way a user's
     would (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_ENDPOINT_URL_S3``), so
     the code under test and the processes it starts find it the usual way."""
+    return new_bucket(s3_server, monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def s3_module_bucket(s3_server: S3Server) -> Iterator[S3Bucket]:
+    """``s3_bucket`` for a module's fixtures (one bucket and environment for the module)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield new_bucket(s3_server, monkeypatch)
+
+
+def new_bucket(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Bucket:
+    """Make a bucket on ``server`` and export its key as ``AWS_*`` through ``monkeypatch``."""
     for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret)
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server.endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", server.endpoint)
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    bucket = S3Bucket(f"titan-test-{secrets.token_hex(6)}", s3_server)
+    bucket = S3Bucket(f"titan-test-{secrets.token_hex(6)}", server)
     bucket.fs().mkdir(bucket.name)
     # Left in place (deleting takes seconds); the server's data is wiped at its next start.
     return bucket

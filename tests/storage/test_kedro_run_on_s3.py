@@ -10,10 +10,14 @@ those of the same job trained uninterrupted on local disk (``rerun_here``).
 from __future__ import annotations
 
 import json
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
+from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 from test_end_to_end import copy_project, kedro_run
 from train.helpers import TINY_DEEPSEEK, node_job_config, rerun_here
@@ -61,61 +65,108 @@ def _s3_project(root: Path, uri: str) -> Path:
     return project
 
 
-def test_a_kedro_run_on_s3_stopped_at_step_4_continues_and_exports_like_local_disk(
-    s3_bucket: S3Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@dataclass
+class S3Run:
+    """The project on the bucket and its first (stopped) run."""
+
+    bucket: S3Bucket
+    project: Path
+    root: Path
+    stopped: subprocess.CompletedProcess[str]
+
+
+@pytest.fixture(scope="module")
+def stopped(
+    s3_module_bucket: S3Bucket, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[S3Run]:
+    """The full pipeline on the bucket, stopped at step 4 (each fixture is one ``kedro run``,
+    so no single test carries both)."""
+    root = tmp_path_factory.mktemp("s3_run")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv(CACHE_ENV, str(root / "cache"))
+        fs, bucket, uri = s3_module_bucket.fs(), s3_module_bucket.name, s3_module_bucket.uri
+        for i in range(2):
+            shard = write_c4_shard(root / "c4" / f"c4-train.0000{i}-of-01024.json.gz", 40, seed=i)
+            fs.put_file(str(shard), f"{bucket}/c4/{shard.name}")
+        project = _s3_project(root / "project", uri)
+        crash = {"TITAN_KEDRO_TEST_HOOKS": "1", "TITAN_KEDRO_CRASH_AT_STEP": "4"}
+        # The catalog's c4_raw reads data.raw_dir from the command line (README).
+        run = kedro_run(project, "--params", f"data.raw_dir={uri}/c4", extra_env=crash)
+        yield S3Run(s3_module_bucket, project, root, run)
+
+
+@pytest.fixture(scope="module")
+def continued(stopped: S3Run) -> subprocess.CompletedProcess[str]:
+    """The stopped run continued with ``checkpoint.resume=latest``, through the export."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv(CACHE_ENV, str(stopped.root / "cache"))
+        return kedro_run(
+            stopped.project,
+            "--pipelines", "training,evaluation,reporting,export_hf",
+            "--params", f"data.raw_dir={stopped.bucket.uri}/c4,checkpoint.resume=latest",
+        )  # fmt: skip
+
+
+def _the_run(stopped: S3Run) -> Run:
+    client = MlflowClient(f"sqlite:///{stopped.project / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("titan_kedro").experiment_id])
+    return run
+
+
+def test_the_first_run_reads_c4_from_s3_and_stops_at_step_4(stopped: S3Run) -> None:
+    output = stopped.stopped.stdout + stopped.stopped.stderr
+    assert stopped.stopped.returncode != 0 and "exits at step 4" in output, output[-6000:]
+    fs, bucket = stopped.bucket.fs(), stopped.bucket.name
+    assert fs.isfile(f"{bucket}/tokens/train.bin") and fs.isfile(f"{bucket}/tokens/metadata.json")
+
+
+def test_the_continued_run_resumes_from_s3_and_trains_like_local_disk(
+    stopped: S3Run, continued: subprocess.CompletedProcess[str]
 ) -> None:
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    fs, bucket, uri = s3_bucket.fs(), s3_bucket.name, s3_bucket.uri
-    for i in range(2):
-        shard = write_c4_shard(tmp_path / "c4" / f"c4-train.0000{i}-of-01024.json.gz", 40, seed=i)
-        fs.put_file(str(shard), f"{bucket}/c4/{shard.name}")
-    project = _s3_project(tmp_path / "project", uri)
-    crash = {"TITAN_KEDRO_TEST_HOOKS": "1", "TITAN_KEDRO_CRASH_AT_STEP": "4"}
-    # The catalog's c4_raw reads data.raw_dir from the command line (README).
-    stopped = kedro_run(project, "--params", f"data.raw_dir={uri}/c4", extra_env=crash)
-    first_output = stopped.stdout + stopped.stderr
-    assert stopped.returncode != 0 and "exits at step 4" in first_output, first_output[-6000:]
-    continued = kedro_run(
-        project,
-        "--pipelines", "training,evaluation,reporting,export_hf",
-        "--params", f"data.raw_dir={uri}/c4,checkpoint.resume=latest",
-    )  # fmt: skip
     output = continued.stdout + continued.stderr
     assert continued.returncode == 0, output[-6000:]
-    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("titan_kedro").experiment_id])
+    fs, bucket, uri = stopped.bucket.fs(), stopped.bucket.name, stopped.bucket.uri
+    run = _the_run(stopped)
     assert run.info.status == "FINISHED"  # continuing reopened the stopped run
     assert f"resumed from {uri}/checkpoints/{run.info.run_id}/step-3 at step 3" in output
-    fs.invalidate_cache()
-    assert fs.isfile(f"{bucket}/tokens/train.bin") and fs.isfile(f"{bucket}/tokens/metadata.json")
     assert fs.isfile(f"{bucket}/checkpoints/{run.info.run_id}/step-6/metadata.json")
 
     # Steps 1-3 logged before the stop, 4-6 after; the same job uninterrupted on local disk.
-    fs.get(f"{bucket}/tokens/", str(tmp_path / "tokens"), recursive=True)
-    job_config = node_job_config(project / "data/07_model_output/job", run.info.run_id)
+    tokens = stopped.root / "tokens"
+    fs.get(f"{bucket}/tokens/", str(tokens), recursive=True)
+    job_config = node_job_config(stopped.project / "data/07_model_output/job", run.info.run_id)
     reference = rerun_here(
         job_config,
-        tmp_path / "local",
+        stopped.root / "local",
         nproc=1,
-        data={"token_dir": str(tmp_path / "tokens")},
+        data={"token_dir": str(tokens)},
         checkpoint={"interval": 100},
     )
+    client = MlflowClient(f"sqlite:///{stopped.project / 'mlflow.db'}")
     losses = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
     assert sorted(losses) == sorted(reference) == [1, 2, 3, 4, 5, 6]
     assert len({round(v, 4) for v in reference.values()}) == 6  # the losses really change
     for step, value in losses.items():
         assert value == pytest.approx(reference[step], abs=1e-6), step
 
+
+def test_the_export_lands_whole_on_s3_and_no_file_or_object_holds_the_key(
+    stopped: S3Run, continued: subprocess.CompletedProcess[str]
+) -> None:
+    assert continued.returncode == 0, (continued.stdout + continued.stderr)[-6000:]
+    fs, bucket = stopped.bucket.fs(), stopped.bucket.name
     marker = json.loads(fs.cat_file(f"{bucket}/hf/{MARKER}"))
     assert marker["complete"] and {"config.json", "model.safetensors"} <= set(marker["files"])
     assert set(fs.ls(f"{bucket}/hf", detail=False)) == {
         f"{bucket}/hf/{name}" for name in [*marker["files"], MARKER]
     }
 
-    secret = s3_bucket.server.secret
-    assert secret not in first_output + output
-    written = [p for p in project.rglob("*") if p.is_file()]
+    secret = stopped.bucket.server.secret
+    outputs = [stopped.stopped.stdout, stopped.stopped.stderr, continued.stdout, continued.stderr]
+    assert secret not in "".join(outputs)
+    written = [p for p in stopped.project.rglob("*") if p.is_file()]
     assert len(written) > 20 and not [p for p in written if secret.encode() in p.read_bytes()]
+    run = _the_run(stopped)
     fields = [*run.data.params.values(), *run.data.tags.values(), *run.data.params]
     assert not [f for f in fields if secret in f]
     objects = [k for k in fs.find(bucket) if secret.encode() in fs.cat_file(k)]
