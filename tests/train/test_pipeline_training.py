@@ -124,11 +124,11 @@ def test_pipelined_layouts_train_like_one_process_and_resume_on_pp1_and_tp2(
             pp2 | ep2 | {"pipeline_schedule": "Interleaved1F1B"},
             {},
         ),
-        "pp2 step 4 -> tp2": ("deepseek_v2", {"tensor_parallel_degree": 2} | ep2, two_ranks),
+        "v2 tp2 from pp2 step 4": ("deepseek_v2", {"tensor_parallel_degree": 2} | ep2, two_ranks),
     }
     checkpoints = {
         "v2 pp2 x fsdp2": {"folder": str(step_4.parent), "interval": 4, "keep_latest_k": 2},
-        "pp2 step 4 -> tp2": {"folder": str(tmp_path / "tp2_ckpt"), "resume": str(step_4)},
+        "v2 tp2 from pp2 step 4": {"folder": str(tmp_path / "tp2_ckpt"), "resume": str(step_4)},
     }
     jobs = {
         name: _job(
@@ -170,7 +170,7 @@ def test_pipelined_layouts_train_like_one_process_and_resume_on_pp1_and_tp2(
     )
     straight = rows["v2 pp2 x fsdp2"]
     _assert_same(_train(resumed), straight[4:], KEYS, "pp2 -> pp1 resume")
-    _assert_same(rows["pp2 step 4 -> tp2"], straight[4:], KEYS, "pp2 -> tp2 resume")
+    _assert_same(rows["v2 tp2 from pp2 step 4"], straight[4:], KEYS, "pp2 -> tp2 resume")
     # Evaluation and HF export read a checkpoint into a plain model: every weight is there.
     resolved = resolve_job_config(pipelined, source="test")
     model = resolved.spec.build_model(resolved.model_args)
