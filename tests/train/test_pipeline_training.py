@@ -20,13 +20,15 @@ microbatch per accumulation step the pipeline computes the same per-microbatch l
 the schedule's ``1 / n_microbatches`` gradient scale is the accumulation's ``1 / accum``.
 Neither schedule changes which terms are summed, only the order of the sums, and the same
 for both: each runs a stage's microbatch backwards in microbatch order (Interleaved1F1B
-only interleaves them with other stages' work), so a rank sums its 2 microbatch gradients
-as one process sums its first (or last) 2, and the data ranks' gradients meet in another
-order: FSDP's reduce-scatter adds the two ranks' sums, ``(g1 + g2) + (g3 + g4)`` against one
-process's ``((g1 + g2) + g3) + g4``, and under EP an expert's gradient is one matmul over
-the tokens both ranks routed to it, summed in another order; the reported auxiliary losses
-add each stage's layers over the stages. A reordered fp32 sum differs by a few ulps (~1e-7
-relative), so no schedule needs a looser tolerance.
+only interleaves them with other stages' work), so a rank adds its 2 microbatch gradients,
+and the data ranks' gradients meet in another order than one process's: FSDP's
+reduce-scatter adds the two ranks' sums, ``(g1 + g2) + (g3 + g4)`` against
+``((g1 + g2) + g3) + g4`` (up to which micro-batch is which), and under EP an expert's
+gradient is one matmul over the tokens both ranks routed to it, summed in another order;
+the reported auxiliary losses add each stage's layers over the stages. The scales
+(``1 / 2`` per microbatch and ``1 / 2`` over the data ranks, against ``1 / 4``) are powers
+of two, exact in fp32. A reordered fp32 sum differs by a few ulps (~1e-7 relative), so no
+schedule needs a looser tolerance.
 
 The V2 runs validate at steps 3 and 6 (the pipelined run through ``schedule.eval``) and
 must agree there too. The resume continues from the straight PP 2 run's checkpoint of
