@@ -14,6 +14,7 @@ from titan_kedro.models.deepseek_v2 import flops_per_token
 from titan_kedro.models.pipeline_split import balanced_layout, stage_costs
 from titan_kedro.models.registry import get_train_spec
 from titan_kedro.models.resolve import resolve_job_config
+from titan_kedro.pipelines.training import nodes as training_nodes
 from titan_kedro.plan.fake_step import measured_micro_batches
 from titan_kedro.train.pipeline import stage_config
 from titan_kedro.train.pipeline.stages import make_stage
@@ -101,6 +102,47 @@ def test_model_aware_pipeline_mistakes_fail_at_config_resolution(
 ) -> None:
     with pytest.raises(ConfigError, match=fragment):
         resolve_job_config(_raw(**parallelism), source="test")
+
+
+@pytest.mark.parametrize(
+    ("sections", "key", "fix"),
+    [
+        # DeepSeek-V2 with 4 blocks on PP 3: 2 samples a step are 1 microbatch of 2, and a
+        # 3-rank pipeline needs 3 in flight.
+        (
+            {
+                "model": {"name": "deepseek_v2", "overrides": {**TINY_DEEPSEEK, "n_layers": 4}},
+                "launch": {"nproc_per_node": 3},
+                "training": {"seq_len": 32, "local_batch_size": 2, "global_batch_size": 2},
+                "parallelism": {"pipeline_parallel_degree": 3},
+            },
+            "1 pipeline microbatch(es) per step do not fill a 3-rank pipeline",
+            "lower parallelism.pipeline_microbatch_size or raise training.global_batch_size",
+        ),
+        # Llama 3's debugmodel has 16 heads: 3 ranks cannot split them.
+        (
+            {
+                "model": {"name": "llama3"},
+                "launch": {"nproc_per_node": 6},
+                "parallelism": {"tensor_parallel_degree": 3},
+            },
+            "parallelism.tensor_parallel_degree=3 must divide model n_heads=16",
+            "pick one of [1, 2, 4, 8, 16]",
+        ),
+    ],
+    ids=["pp3-4-blocks-1-microbatch", "tp3-16-heads"],
+)
+def test_the_training_node_refuses_a_bad_layout_before_torchrun_starts(
+    sections: dict[str, Any], key: str, fix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def launched(*args: Any) -> None:
+        raise AssertionError("torchrun was started for an impossible layout")
+
+    for name in ("build_plan", "launch_job"):  # what runs after resolving, planning first
+        monkeypatch.setattr(training_nodes, name, launched)
+    with pytest.raises(ConfigError) as refused:
+        training_nodes.train_model({"vocab_size": 512}, {}, **sections)
+    assert key in str(refused.value) and fix in str(refused.value)
 
 
 def test_pipelined_validation_needs_whole_steps_of_batches() -> None:

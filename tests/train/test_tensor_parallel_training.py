@@ -9,22 +9,22 @@ the same global batch, within 1e-5 over 6 steps in float32 (only the reduction o
 differs). The DeepSeek run's step-3 checkpoint,
 continued by one process (TP 1), must give the uninterrupted reference's steps 4-6.
 
-DeepSeek's one-process runs (the reference and the resume) share one Python process (the
+The two 4-rank runs share one spawn of 4 gloo ranks (one start-up); the one-process runs
+(the references and the resume) train in the test's own process, one after the other (the
 trainer leaves its process group when it closes).
 """
 
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from train.helpers import REPO, TINY_DEEPSEEK, read_metrics, run_worker, tiny_job, write_token_dir
+from titan_kedro.models.resolve import resolve_job_config
+from titan_kedro.train.trainer import Trainer
+from train.helpers import TINY_DEEPSEEK, read_metrics, run_ranks, tiny_job, write_token_dir
 
 pytestmark = pytest.mark.slow
 
@@ -68,27 +68,21 @@ def _job(root: Path, tokens: Path, model: str, name: str, **sections: Any) -> di
     )
 
 
-def _one_process(jobs: list[dict[str, Any]]) -> None:
-    """Train ``jobs`` one after another in one plain Python process (world size 1)."""
-    files = []
+def _train(raw: dict[str, Any], *, close: bool = True) -> None:
+    """Train ``raw`` here; ``close=False`` in a spawned rank, whose group outlives the job."""
+    trainer = Trainer(resolve_job_config(raw, source="test"))
+    try:
+        trainer.train()
+    finally:
+        if close:
+            trainer.close()
+        elif trainer.metrics is not None:
+            trainer.metrics.close()
+
+
+def _train_each(rank: int, world: int, jobs: list[dict[str, Any]]) -> None:
     for raw in jobs:
-        dump = Path(raw["job"]["dump_folder"])
-        dump.mkdir(parents=True, exist_ok=True)
-        files.append(dump / "input_config.yaml")
-        files[-1].write_text(yaml.safe_dump(raw), encoding="utf-8")
-    script = (
-        "import sys\nfrom titan_kedro.train.__main__ import run_worker\n"
-        "for path in sys.argv[1:]:\n    run_worker(['--config', path])\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", script, *map(str, files)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
+        _train(raw, close=False)
 
 
 def _assert_same(ours: list[dict], theirs: list[dict], keys: tuple[str, ...], what: str) -> None:
@@ -107,50 +101,49 @@ def _reference(job: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def test_deepseek_tp2_fsdp2_ep2_trains_like_one_process_and_resumes_on_tp1(
+def test_tensor_parallel_layouts_train_like_one_process_and_resume_on_tp1(
     tmp_path: Path,
 ) -> None:
     tokens = write_token_dir(tmp_path / "tokens", n_train=4_000)
-    parallel = _job(
+    four = {"nproc_per_node": 4}
+    deepseek = _job(
         tmp_path,
         tokens,
         "deepseek",
         "tp2_fsdp2_ep2",
         parallelism={"tensor_parallel_degree": 2, "expert_parallel_degree": 2},
+        launch=four,
         checkpoint={"interval": 3},
     )
-    run_worker(parallel, nproc=4, timeout_s=300)
+    # Tensor parallelism inside each of 2 pipeline stages (1 block each). A pipelined step
+    # scores its held-out batches 4 at a time (the accumulation steps).
+    validation = {"freq": len(STEPS), "steps": 4}
+    layout = {"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2}
+    llama = _job(
+        tmp_path, tokens, "llama", "tp2_pp2", parallelism=layout, validation=validation, launch=four
+    )
+    run_ranks(_train_each, [deepseek, llama], store=tmp_path / "store", world=4)
+
     one = _job(tmp_path, tokens, "deepseek", "one")
     resumed = _job(tmp_path, tokens, "deepseek", "resumed_tp1", checkpoint={"resume": "latest"})
-    step_3 = Path(parallel["checkpoint"]["folder"]) / "step-3"
+    step_3 = Path(deepseek["checkpoint"]["folder"]) / "step-3"
     shutil.copytree(step_3, Path(resumed["checkpoint"]["folder"]) / "step-3")
-    _one_process([one, resumed])
+    llama_one = _job(tmp_path, tokens, "llama", "one", validation=validation)
+    for raw in (one, resumed, llama_one):
+        _train(raw)
 
     reference = _reference(one)
-    _assert_same(read_metrics(parallel["job"]["dump_folder"]), reference, KEYS["deepseek"], "TP")
+    _assert_same(read_metrics(deepseek["job"]["dump_folder"]), reference, KEYS["deepseek"], "TP")
     _assert_same(
         read_metrics(resumed["job"]["dump_folder"]),
         reference[3:],
         KEYS["deepseek"],
         "TP 2 checkpoint resumed on TP 1",
     )
-
-
-def test_llama3_tp2_pp2_trains_and_validates_like_one_process(tmp_path: Path) -> None:
-    """Tensor parallelism inside each of 2 pipeline stages (1 block each) on 4 ranks."""
-    tokens = write_token_dir(tmp_path / "tokens", n_train=4_000)
-    # A pipelined step scores its held-out batches 4 at a time (the accumulation steps).
-    validation = {"freq": len(STEPS), "steps": 4}
-    layout = {"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2}
-    parallel = _job(tmp_path, tokens, "llama", "tp2_pp2", parallelism=layout, validation=validation)
-    run_worker(parallel, nproc=4, timeout_s=300)
-    one = _job(tmp_path, tokens, "llama", "one", validation=validation)
-    _one_process([one])
-
-    reference = _reference(one)
-    assert "val_loss" in reference[-1]
-    rows = read_metrics(parallel["job"]["dump_folder"])
-    _assert_same(rows, reference, KEYS["llama"], "TP")
+    llama_reference = _reference(llama_one)
+    assert "val_loss" in llama_reference[-1]
+    rows = read_metrics(llama["job"]["dump_folder"])
+    _assert_same(rows, llama_reference, KEYS["llama"], "Llama TP 2 x PP 2")
     # Throughput per rank: a TP 2 group shares its 4 micro-batches × 2 × 32 tokens per step
     # (the pipeline's ranks train the same samples; each computes its stage's FLOPs).
     for row in rows:
