@@ -49,8 +49,15 @@ import torch
 from titan_kedro.models.deepseek_v2 import flops_per_token
 from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.train.checkpoint.safe_load import load_model_weights
-from titan_kedro.train.trainer import Trainer
-from train.helpers import TINY_DEEPSEEK, read_metrics, run_ranks, tiny_job, write_token_dir
+from train.helpers import (
+    TINY_DEEPSEEK,
+    read_metrics,
+    run_ranks,
+    tiny_job,
+    train_each,
+    train_here,
+    write_token_dir,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -75,23 +82,6 @@ def _job(root: Path, tokens: Path, model: str, **sections: Any) -> dict[str, Any
     )
 
 
-def _train(raw: dict[str, Any], *, close: bool = True) -> list[dict[str, Any]]:
-    trainer = Trainer(resolve_job_config(raw, source="test"))
-    try:
-        trainer.train()
-    finally:
-        if close:
-            trainer.close()
-        elif trainer.metrics is not None:
-            trainer.metrics.close()  # the spawned ranks' group outlives this trainer
-    return read_metrics(raw["job"]["dump_folder"])
-
-
-def _train_each(rank: int, world: int, jobs: list[dict[str, Any]]) -> None:
-    for raw in jobs:
-        _train(raw, close=False)
-
-
 def _assert_same(ours: list[dict], theirs: list[dict], keys: tuple[str, ...], name: str) -> None:
     assert [row["step"] for row in ours] == [row["step"] for row in theirs], name
     for mine, reference in zip(ours, theirs, strict=True):
@@ -112,8 +102,10 @@ def test_pipelined_layouts_train_like_one_process_and_resume_on_pp1_and_tp2(
     # Validation at steps 3 and 6 over the same 4 held-out batches: 4 on one rank, 2 on
     # each of the 2 data-parallel ranks of the 4-rank runs.
     one_rank, two_ranks = VALIDATE | {"steps": 4}, VALIDATE | {"steps": 2}
-    v2_one = _train(_job(tmp_path / "v2_one", tokens, "deepseek_v2", validation=one_rank, **off))
-    v3_one = _train(_job(tmp_path / "v3_one", tokens, "deepseek_v3", **off))
+    v2_one = train_here(
+        _job(tmp_path / "v2_one", tokens, "deepseek_v2", validation=one_rank, **off)
+    )
+    v3_one = train_here(_job(tmp_path / "v3_one", tokens, "deepseek_v3", **off))
     four = {"nproc_per_node": 4, "log_dir": str(tmp_path / "logs")}
     pp2, ep2 = {"pipeline_parallel_degree": 2}, {"expert_parallel_degree": 2}
     step_4 = tmp_path / "v2_pp_ckpt" / "step-4"
@@ -144,7 +136,7 @@ def test_pipelined_layouts_train_like_one_process_and_resume_on_pp1_and_tp2(
         )
         for name, (model, parallelism, validation) in layouts.items()
     }
-    run_ranks(_train_each, list(jobs.values()), store=tmp_path / "store", world=4)
+    run_ranks(train_each, list(jobs.values()), store=tmp_path / "store", world=4)
     rows = {name: read_metrics(raw["job"]["dump_folder"]) for name, raw in jobs.items()}
     _assert_same(rows["v2 pp2 x fsdp2"], v2_one, KEYS, "v2 pp2 x fsdp2")
     _assert_same(rows["v2 pp2 x ep2"], v2_one, KEYS, "v2 pp2 x ep2")
@@ -171,7 +163,7 @@ def test_pipelined_layouts_train_like_one_process_and_resume_on_pp1_and_tp2(
         validation=one_rank,
     )
     straight = rows["v2 pp2 x fsdp2"]
-    _assert_same(_train(resumed), straight[4:], KEYS, "pp2 -> pp1 resume")
+    _assert_same(train_here(resumed), straight[4:], KEYS, "pp2 -> pp1 resume")
     _assert_same(rows["v2 tp2 from pp2 step 4"], straight[4:], KEYS, "pp2 -> tp2 resume")
     # Evaluation and HF export read a checkpoint into a plain model: every weight is there.
     resolved = resolve_job_config(pipelined, source="test")

@@ -22,9 +22,15 @@ from typing import Any
 
 import pytest
 
-from titan_kedro.models.resolve import resolve_job_config
-from titan_kedro.train.trainer import Trainer
-from train.helpers import TINY_DEEPSEEK, read_metrics, run_ranks, tiny_job, write_token_dir
+from train.helpers import (
+    TINY_DEEPSEEK,
+    read_metrics,
+    run_ranks,
+    tiny_job,
+    train_each,
+    train_here,
+    write_token_dir,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -68,23 +74,6 @@ def _job(root: Path, tokens: Path, model: str, name: str, **sections: Any) -> di
     )
 
 
-def _train(raw: dict[str, Any], *, close: bool = True) -> None:
-    """Train ``raw`` here; ``close=False`` in a spawned rank, whose group outlives the job."""
-    trainer = Trainer(resolve_job_config(raw, source="test"))
-    try:
-        trainer.train()
-    finally:
-        if close:
-            trainer.close()
-        elif trainer.metrics is not None:
-            trainer.metrics.close()
-
-
-def _train_each(rank: int, world: int, jobs: list[dict[str, Any]]) -> None:
-    for raw in jobs:
-        _train(raw, close=False)
-
-
 def _assert_same(ours: list[dict], theirs: list[dict], keys: tuple[str, ...], what: str) -> None:
     assert [row["step"] for row in ours] == [row["step"] for row in theirs], what
     for mine, reference in zip(ours, theirs, strict=True):
@@ -122,7 +111,7 @@ def test_tensor_parallel_layouts_train_like_one_process_and_resume_on_tp1(
     llama = _job(
         tmp_path, tokens, "llama", "tp2_pp2", parallelism=layout, validation=validation, launch=four
     )
-    run_ranks(_train_each, [deepseek, llama], store=tmp_path / "store", world=4)
+    run_ranks(train_each, [deepseek, llama], store=tmp_path / "store", world=4)
 
     one = _job(tmp_path, tokens, "deepseek", "one")
     resumed = _job(tmp_path, tokens, "deepseek", "resumed_tp1", checkpoint={"resume": "latest"})
@@ -130,7 +119,7 @@ def test_tensor_parallel_layouts_train_like_one_process_and_resume_on_tp1(
     shutil.copytree(step_3, Path(resumed["checkpoint"]["folder"]) / "step-3")
     llama_one = _job(tmp_path, tokens, "llama", "one", validation=validation)
     for raw in (one, resumed, llama_one):
-        _train(raw)
+        train_here(raw)
 
     reference = _reference(one)
     _assert_same(read_metrics(deepseek["job"]["dump_folder"]), reference, KEYS["deepseek"], "TP")
