@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 
 from titan_kedro.models.resolve import resolve_job_config
@@ -47,20 +48,23 @@ def case(model: str, ranks: int) -> dict:
 
 def main() -> None:
     """Search each case; print its table, the chosen row and the seconds it took."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    logging.getLogger("titan_kedro.plan.search").setLevel(logging.INFO)
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", help="one case, e.g. v2-128")
     names = [f"{m}-{r}" for m in MODELS for r in (128, 512)]
     only = parser.parse_args().only
     for name in [n for n in names if only in (None, n)]:
         model, ranks = name.split("-")
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         search = search_layouts(resolve_job_config(case(model, int(ranks))))
         chosen = choose_layout(search, enforce=False)
-        seconds = time.perf_counter() - start
-        print(f"## {name}: searched in {seconds:.0f} s")
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+        print(f"## {name}: searched in {seconds:.0f} s wall, {cpu:.0f} s CPU")
         print(format_search(search))
-        print(json.dumps({"case": name, "seconds": round(seconds, 1), "chosen": chosen["layout"],
-                          "failed": search["failed"]}))  # fmt: skip
+        print(json.dumps({"case": name, "seconds": round(seconds, 1), "cpu_s": round(cpu, 1), "chosen": chosen["layout"],
+                          "failed": search["failed"],
+                          "refused_examples": search["refused_examples"][:3]}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ from train.helpers import TINY_DEEPSEEK
 
 from titan_kedro.config.layout import Layout
 from titan_kedro.models.resolve import resolve_job_config
+from titan_kedro.plan import search
 from titan_kedro.plan.pipeline_plan import bubble_share, pipelined_plan
-from titan_kedro.plan.search import enumerate_layouts
+from titan_kedro.plan.search import _stop_reason, enumerate_layouts
 from titan_kedro.plan.search_table import NoLayoutFitsError, choose_layout, rank_rows
 
 
@@ -40,6 +41,7 @@ def _search(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "layout_valid": len(rows),
         "measured": len(rows),
         "failed": [],
+        "stopped": "every valid layout measured",
         "rows": rank_rows(rows),
     }
 
@@ -149,3 +151,48 @@ def test_a_pipelined_plan_is_its_heaviest_rank_plus_in_flight_microbatches_and_b
     # Bubble (2 − 1) / 2 microbatches: 2 s × 1.5.
     assert plan["cost"]["roofline_step_time_s"] == pytest.approx(3.0)
     assert plan["layout"]["pp"] == 2 and plan["world_size"] == 4
+
+
+def test_measuring_stops_at_enough_fitting_the_cap_or_the_budget_once_one_fits() -> None:
+    fits, big = _row("a", 1.0, 1.0, True), _row("b", 1.0, 200.0, False)
+    # 3 layouts fitting are enough; 4 fake steps (failed ones count) are the cap.
+    assert _stop_reason([fits] * 3, 0, 0.0) == "3 layouts fit"
+    assert _stop_reason([big] * 3, 1, 0.0) == "4 fake steps run"
+    # Past the time budget the search stops only if something already fits.
+    late = search.MEASURE_BUDGET_S + 1
+    assert _stop_reason([big, big], 0, late) is None
+    assert "fits and another fake step would pass" in str(_stop_reason([big, fits], 0, late))
+    assert _stop_reason([big, fits], 0, search.MEASURE_BUDGET_S - 1) is None
+
+
+def test_auto_recompute_of_a_pipelined_stage_is_chosen_again_for_the_held_microbatches() -> None:
+    raw = {
+        "model": {"name": "deepseek_v2", "flavor": "debugmodel", "overrides": TINY_DEEPSEEK},
+        "training": {"seq_len": 32, "local_batch_size": 2, "device": "cpu"},
+        "parallelism": {"pipeline_parallel_degree": 2, "pipeline_microbatch_size": 1},
+        "launch": {"nproc_per_node": 4},
+        "validation": {"freq": 0},
+        "plan": {"device_memory_gib": 80.0},
+    }
+    raw["training"]["activation_checkpoint"] = "auto"
+    gib, budgets = 2**30, []
+
+    def measure(stage: Any) -> dict[str, Any]:
+        budgets.append(stage.config.plan.device_memory_gib)
+        activations = (30 if len(budgets) == 1 else 15) * gib
+        return {
+            "bytes_per_rank": {"total": 40 * gib + activations, "activations": activations},
+            "device_memory_gib": stage.config.plan.device_memory_gib,
+            "reserved_gib": 2.0,
+            "peak_at": {"phase": "backward"},
+            "cost": {"roofline_step_time_s": 2.0},
+            "layout": {},
+        }
+
+    plan = pipelined_plan(resolve_job_config(raw), measure)
+    # One microbatch fits (40 + 30 ≤ 78 GiB) but 2 held do not (40 + 60). Recompute must
+    # leave each ≤ (78 − 40) / 2 = 19 GiB: the stage is planned again for 40 + 19 GiB of
+    # budget, 61 GiB with the 2 reserved. Its 15 GiB per microbatch then fit: 40 + 30.
+    assert budgets == [80.0, pytest.approx(61.0)]
+    assert plan["bytes_per_rank"]["total"] == 70 * gib
+    assert plan["device_memory_gib"] == 80.0 and plan["fits"]

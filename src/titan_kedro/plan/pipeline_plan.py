@@ -15,6 +15,10 @@ Two things are added to that plan:
   its peak are one microbatch's;
 - **the bubble**: the roofline step time is the stage's ×
   ``1 + (pp − 1) / (stages per rank × microbatches)``.
+
+With ``training.activation_checkpoint: auto`` a stage that fits one microbatch but not
+the held ones is planned once more on a device made smaller by what they need
+(``_squeezed``), so the recompute choice counts them.
 """
 
 from __future__ import annotations
@@ -45,6 +49,12 @@ def pipelined_plan(
     stage, blocks = stage_job(resolved)
     plan = measure(stage)
     extra = _in_flight_bytes(plan, layout)
+    squeezed = _squeezed(stage, plan, extra)
+    if squeezed is not None:  # auto recompute, chosen again for all the microbatches held
+        memory = plan["device_memory_gib"]
+        plan = measure(squeezed)
+        plan["device_memory_gib"] = memory
+        extra = _in_flight_bytes(plan, layout)
     per_rank = dict(plan["bytes_per_rank"])
     per_rank["activations"] = per_rank.get("activations", 0) + extra
     per_rank["total"] += extra
@@ -74,6 +84,31 @@ def pipelined_plan(
         "bubble": bubble,
     }
     return plan
+
+
+def _squeezed(stage: ResolvedJob, plan: dict[str, Any], extra: int) -> ResolvedJob | None:
+    """The stage job with less memory, so that ``auto`` recompute fits the held microbatches.
+
+    ``training.activation_checkpoint: auto`` fits one microbatch's activations ``A`` beside
+    the rest ``R`` of the peak; holding ``h`` microbatches needs ``R + h·A'`` to fit, so the
+    stage is planned again on a device of ``R + (budget − R) / h`` (plus the reserve).
+    None when it fits already, recompute is not ``auto``, or nothing could fit.
+    """
+    training = stage.config.training
+    if training.activation_checkpoint != "auto" or training.activation_checkpoint_blocks:
+        return None
+    per_rank = plan["bytes_per_rank"]
+    activations = per_rank.get("activations", 0)
+    budget = (plan["device_memory_gib"] - plan["reserved_gib"]) * GIB
+    if not extra or not activations or per_rank["total"] + extra <= budget:
+        return None
+    rest = per_rank["total"] - activations
+    held = 1 + extra / activations
+    if rest >= budget:
+        return None
+    memory = (rest + (budget - rest) / held) / GIB + plan["reserved_gib"]
+    section = stage.config.plan.model_copy(update={"device_memory_gib": memory})
+    return stage._replace(config=stage.config.model_copy(update={"plan": section}))
 
 
 def _in_flight_bytes(plan: dict[str, Any], layout: Any) -> int:

@@ -18,7 +18,7 @@
    the smallest TP (its per-block communication is not in the roofline), the largest EP
    (the smallest gathered experts); first the best of each ``(pp, schedule, tp)``, then
    the rest in the same order; at most ``MAX_MEASURED`` fake steps, until
-   ``ENOUGH_FITTING`` fit.
+   ``ENOUGH_FITTING`` fit or, once one fits, ``MEASURE_BUDGET_S`` would pass.
 5. **Rank** (``search_table.rank_rows``) the fitting rows by planned tokens per second
    (step time for the same global batch), nearly equal speeds by the smaller peak.
 """
@@ -55,6 +55,9 @@ MAX_MEASURED = 4
 """Fake-step measurements one search runs at most (each costs seconds to tens of seconds)."""
 ENOUGH_FITTING = 3
 """A search stops measuring once this many layouts fit."""
+MEASURE_BUDGET_S = 90.0
+"""Once a layout fits, a search starts no fake step expected to end after this many seconds
+of measuring (a 671B fake step takes 20–60 s on two busy cores)."""
 
 _SEARCHED: dict[str, dict[str, Any]] = {}
 """Searches run in this process: a ``kedro run`` searches in the model-spec node and again
@@ -202,7 +205,7 @@ def search_layouts(resolved: ResolvedJob, world: int | None = None) -> dict[str,
     cfg = resolved.config
     world = world or cfg.launch.world_size
     key = f"{world}|{resolved.config.model_dump_json()}|{resolved.spec.name}"
-    key += f"|{resolved.model_args!r}|{MAX_MEASURED}|{ENOUGH_FITTING}"
+    key += f"|{resolved.model_args!r}|{MAX_MEASURED}|{ENOUGH_FITTING}|{MEASURE_BUDGET_S}"
     if key in _SEARCHED:
         return _SEARCHED[key]
     start = time.perf_counter()
@@ -244,7 +247,8 @@ def _search(resolved: ResolvedJob, world: int) -> dict[str, Any]:
         else:
             shaped.append((c, shape))
     failed: list[str] = []
-    rows = _measure_promising(resolved, shaped, refused, failed)
+    stopped: list[str] = []
+    rows = _measure_promising(resolved, shaped, refused, failed, stopped)
     return {
         "world_size": world,
         "device": {"name": device.name, "memory_gib": device.memory_gib},
@@ -257,6 +261,7 @@ def _search(resolved: ResolvedJob, world: int) -> dict[str, Any]:
         "layout_valid": len(shaped),
         "measured": len(rows),
         "failed": failed,
+        "stopped": stopped[0],
         "rows": rank_rows(rows),
     }
 
@@ -279,10 +284,11 @@ def _measure_promising(
     shaped: list[tuple[Candidate, Any]],
     refused: list[str],
     failed: list[str],
+    stopped: list[str],
 ) -> list[dict[str, Any]]:
     """Fake-step plans of the most promising layouts (see the module doc, step 4): each
     is validated by the job's own checks first (a refusal goes to ``refused``); one whose
-    fake step fails is named in ``failed``."""
+    fake step fails is named in ``failed``; why the measuring stopped goes to ``stopped``."""
 
     def order(item: tuple[Candidate, Any]) -> tuple[float, int, int, int]:
         c, layout = item
@@ -292,13 +298,16 @@ def _measure_promising(
     groups: set[tuple[int, str, int]] = set()
     tried: set[Candidate] = set()
     rows: list[dict[str, Any]] = []
+    start, longest = time.perf_counter(), 0.0
     # First the best of each (pp, schedule, tp), then the rest in the same order.
     for first_pass in (True, False):
         for c in ordered:
             group = (c.pp, c.schedule, c.tp)
             if c in tried or (first_pass and group in groups):
                 continue
-            if len(rows) + len(failed) >= MAX_MEASURED or _enough(rows):
+            stop = _stop_reason(rows, len(failed), time.perf_counter() - start + longest)
+            if stop:
+                stopped.append(stop)
                 return rows
             tried.add(c)
             job = _validated(resolved, c)
@@ -306,14 +315,26 @@ def _measure_promising(
                 refused.append(f"{c.label()}: {job.splitlines()[-1].strip()[:200]}")
                 continue
             groups.add(group)
+            began = time.perf_counter()
             row = _measure(c, job, failed)
+            longest = max(longest, time.perf_counter() - began)
             if row is not None:
                 rows.append(row)
+    stopped.append("every valid layout measured")
     return rows
 
 
-def _enough(rows: list[dict[str, Any]]) -> bool:
-    return sum(r["fits"] for r in rows) >= ENOUGH_FITTING
+def _stop_reason(rows: list[dict[str, Any]], failed: int, expected_s: float) -> str | None:
+    """Why to measure no more (None: go on); the next fake step is expected to end after
+    ``expected_s`` seconds of measuring (the longest one so far added)."""
+    fitting = sum(r["fits"] for r in rows)
+    if fitting >= ENOUGH_FITTING:
+        return f"{fitting} layouts fit"
+    if len(rows) + failed >= MAX_MEASURED:
+        return f"{MAX_MEASURED} fake steps run"
+    if fitting and expected_s > MEASURE_BUDGET_S:
+        return f"a layout fits and another fake step would pass {MEASURE_BUDGET_S:.0f} s"
+    return None
 
 
 def _measure(c: Candidate, job: ResolvedJob, failed: list[str]) -> dict[str, Any] | None:

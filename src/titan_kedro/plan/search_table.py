@@ -129,7 +129,7 @@ def format_search(search: dict[str, Any]) -> str:
         f"states alone exceed the device, {search['refused']} refused by the job's checks, "
         f"{search['measured']} measured of the {search['layout_valid']} the layout rules "
         "allow, in "
-        f"{search.get('searched_in_s', 0.0):.0f} s"
+        f"{search.get('searched_in_s', 0.0):.0f} s (stopped: {search['stopped']})"
         + (
             f" ({len(search['failed'])} fake step(s) failed: see failed)"
             if search["failed"]
