@@ -18,7 +18,7 @@
    the smallest TP (its per-block communication is not in the roofline), the largest EP
    (the smallest gathered experts); first the best of each ``(pp, schedule, tp)``, then
    the rest in the same order; at most ``MAX_MEASURED`` fake steps, until
-   ``ENOUGH_FITTING`` fit or, once one fits, ``MEASURE_BUDGET_S`` would pass.
+   ``ENOUGH_FITTING`` fit or, once one fits, ``MEASURE_BUDGET_S`` CPU seconds would pass.
 5. **Rank** (``search_table.rank_rows``) the fitting rows by planned tokens per second
    (step time for the same global batch), nearly equal speeds by the smaller peak.
 """
@@ -55,9 +55,10 @@ MAX_MEASURED = 4
 """Fake-step measurements one search runs at most (each costs seconds to tens of seconds)."""
 ENOUGH_FITTING = 3
 """A search stops measuring once this many layouts fit."""
-MEASURE_BUDGET_S = 90.0
-"""Once a layout fits, a search starts no fake step expected to end after this many seconds
-of measuring (a 671B fake step takes 20–60 s on two busy cores)."""
+MEASURE_BUDGET_S = 60.0
+"""Once a layout fits, a search starts no fake step expected to end after this many CPU
+seconds of measuring (a 671B fake step takes 10–30; CPU time, so that other work on the
+machine does not change which layouts are measured)."""
 
 _SEARCHED: dict[str, dict[str, Any]] = {}
 """Searches run in this process: a ``kedro run`` searches in the model-spec node and again
@@ -298,14 +299,14 @@ def _measure_promising(
     groups: set[tuple[int, str, int]] = set()
     tried: set[Candidate] = set()
     rows: list[dict[str, Any]] = []
-    start, longest = time.perf_counter(), 0.0
+    start, longest = time.process_time(), 0.0
     # First the best of each (pp, schedule, tp), then the rest in the same order.
     for first_pass in (True, False):
         for c in ordered:
             group = (c.pp, c.schedule, c.tp)
             if c in tried or (first_pass and group in groups):
                 continue
-            stop = _stop_reason(rows, len(failed), time.perf_counter() - start + longest)
+            stop = _stop_reason(rows, len(failed), time.process_time() - start + longest)
             if stop:
                 stopped.append(stop)
                 return rows
@@ -315,9 +316,9 @@ def _measure_promising(
                 refused.append(f"{c.label()}: {job.splitlines()[-1].strip()[:200]}")
                 continue
             groups.add(group)
-            began = time.perf_counter()
+            began = time.process_time()
             row = _measure(c, job, failed)
-            longest = max(longest, time.perf_counter() - began)
+            longest = max(longest, time.process_time() - began)
             if row is not None:
                 rows.append(row)
     stopped.append("every valid layout measured")
@@ -326,14 +327,14 @@ def _measure_promising(
 
 def _stop_reason(rows: list[dict[str, Any]], failed: int, expected_s: float) -> str | None:
     """Why to measure no more (None: go on); the next fake step is expected to end after
-    ``expected_s`` seconds of measuring (the longest one so far added)."""
+    ``expected_s`` CPU seconds of measuring (the longest one so far added)."""
     fitting = sum(r["fits"] for r in rows)
     if fitting >= ENOUGH_FITTING:
         return f"{fitting} layouts fit"
     if len(rows) + failed >= MAX_MEASURED:
         return f"{MAX_MEASURED} fake steps run"
     if fitting and expected_s > MEASURE_BUDGET_S:
-        return f"a layout fits and another fake step would pass {MEASURE_BUDGET_S:.0f} s"
+        return f"a layout fits and another fake step would pass {MEASURE_BUDGET_S:.0f} CPU s"
     return None
 
 
