@@ -187,6 +187,7 @@ def test_auto_recompute_of_a_pipelined_stage_is_chosen_again_for_the_held_microb
             "peak_at": {"phase": "backward"},
             "cost": {"roofline_step_time_s": 2.0},
             "layout": {},
+            "extrapolated": {"measured_blocks": 2},
         }
 
     plan = pipelined_plan(resolve_job_config(raw), measure)

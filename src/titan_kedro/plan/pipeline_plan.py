@@ -16,9 +16,10 @@ Two things are added to that plan:
 - **the bubble**: the roofline step time is the stage's ×
   ``1 + (pp − 1) / (stages per rank × microbatches)``.
 
-With ``training.activation_checkpoint: auto`` a stage that fits one microbatch but not
-the held ones is planned once more on a device made smaller by what they need
-(``_squeezed``), so the recompute choice counts them.
+With ``training.activation_checkpoint: auto`` an extrapolated stage (more than
+``FULL_STEP_MAX_BLOCKS`` blocks) that fits one microbatch but not the held ones is
+planned once more on a device made smaller by what they need (``_squeezed``), so the
+recompute choice counts them.
 """
 
 from __future__ import annotations
@@ -92,11 +93,15 @@ def _squeezed(stage: ResolvedJob, plan: dict[str, Any], extra: int) -> ResolvedJ
     ``training.activation_checkpoint: auto`` fits one microbatch's activations ``A`` beside
     the rest ``R`` of the peak; holding ``h`` microbatches needs ``R + h·A'`` to fit, so the
     stage is planned again on a device of ``R + (budget − R) / h`` (plus the reserve).
-    None when it fits already, recompute is not ``auto``, or nothing could fit.
+    None when it fits already, recompute is not ``auto``, nothing could fit, or the stage
+    was measured in full (not extrapolated: its choice costs up to 5 fake steps, too many to
+    run twice in a search).
     """
     training = stage.config.training
     if training.activation_checkpoint != "auto" or training.activation_checkpoint_blocks:
         return None
+    if not plan["extrapolated"]:
+        return None  # a full stage's auto choice re-measures up to 4 times: not twice
     per_rank = plan["bytes_per_rank"]
     activations = per_rank.get("activations", 0)
     budget = (plan["device_memory_gib"] - plan["reserved_gib"]) * GIB

@@ -135,13 +135,13 @@ def format_search(search: dict[str, Any]) -> str:
             if search["failed"]
             else ""
         ),
-        f"  {'rank':<5} {'layout':<44} {'peak GiB':>9} {'fits':>5} {'step s':>9} "
+        f"  {'rank':<5} {'layout':<58} {'peak GiB':>9} {'fits':>5} {'step s':>9} "
         f"{'tokens/s':>11}  recompute",
     ]
     for row in search["rows"]:
         mark = "*" if row.get("chosen") else " "
         lines.append(
-            f"  {mark}{row['rank']:<4} {row['layout']:<44} {row['peak_gib']:>9.3g} "
+            f"  {mark}{row['rank']:<4} {row['layout']:<58} {row['peak_gib']:>9.3g} "
             f"{'yes' if row['fits'] else 'no':>5} {row['step_time_s']:>9.3g} "
             f"{row['tokens_per_s']:>11,.0f}  {row['recompute']}"
         )
