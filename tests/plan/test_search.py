@@ -13,7 +13,7 @@ from titan_kedro.config.layout import Layout
 from titan_kedro.models.resolve import resolve_job_config
 from titan_kedro.plan import search
 from titan_kedro.plan.pipeline_plan import bubble_share, pipelined_plan
-from titan_kedro.plan.search import _stop_reason, enumerate_layouts
+from titan_kedro.plan.search import _stop_reason, enumerate_layouts, resolve_layout
 from titan_kedro.plan.search_table import NoLayoutFitsError, choose_layout, rank_rows
 
 
@@ -197,3 +197,14 @@ def test_auto_recompute_of_a_pipelined_stage_is_chosen_again_for_the_held_microb
     assert budgets == [80.0, pytest.approx(61.0)]
     assert plan["bytes_per_rank"]["total"] == 70 * gib
     assert plan["device_memory_gib"] == 80.0 and plan["fits"]
+
+
+def test_the_training_node_searches_only_for_layout_auto_not_for_the_table() -> None:
+    raw = {
+        "model": {"name": "deepseek_v2", "flavor": "debugmodel", "overrides": TINY_DEEPSEEK},
+        "training": {"seq_len": 32, "device": "cpu"},
+        "plan": {"search": True},
+    }
+    job = resolve_job_config(raw)
+    same, table = resolve_layout(job, table=False)  # plan.search alone: nothing to apply
+    assert table is None and same is job

@@ -137,8 +137,15 @@ def _analytic(resolved: ResolvedJob) -> tuple[int, int]:
     return count_parameters(model).total, _state_bytes_per_param(model)
 
 
-def resolve_layout(resolved: ResolvedJob) -> tuple[ResolvedJob, dict[str, Any] | None]:
+def resolve_layout(
+    resolved: ResolvedJob, *, table: bool = True
+) -> tuple[ResolvedJob, dict[str, Any] | None]:
     """Search when ``plan.search`` or ``parallelism.layout: auto`` asks; apply ``auto``'s pick.
+
+    Args:
+        resolved: The resolved job.
+        table: Honour ``plan.search`` (the model-spec node); False searches only for
+            ``auto`` (the training node, which needs the layout, not the table).
 
     Returns:
         ``(resolved, None)`` when neither asks; else the job (with the chosen layout's
@@ -150,7 +157,7 @@ def resolve_layout(resolved: ResolvedJob) -> tuple[ResolvedJob, dict[str, Any] |
     """
     cfg = resolved.config
     auto = cfg.parallelism.layout == "auto"
-    if not (cfg.plan.search or auto):
+    if not ((cfg.plan.search and table) or auto):
         return resolved, None
     search = copy.deepcopy(search_layouts(resolved))
     if auto:

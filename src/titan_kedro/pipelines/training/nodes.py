@@ -67,7 +67,7 @@ def train_model(
         LaunchCheckError: A remote job could not see its files or reach MLflow.
     """
     del model_spec
-    resolved, _ = resolve_layout(resolve_job_config(sections))  # layout: auto sets the degrees
+    resolved, _ = resolve_layout(resolve_job_config(sections), table=False)  # layout: auto
     check_vocab_fits(token_metadata, int(resolved.model_args.vocab_size))
     plan = build_plan(resolved)
     logger.info("%s", format_plan(plan))
