@@ -11,7 +11,7 @@ from train.helpers import TINY_DEEPSEEK
 
 from titan_kedro.config.layout import Layout
 from titan_kedro.models.resolve import resolve_job_config
-from titan_kedro.plan import search
+from titan_kedro.plan import build_plan, search
 from titan_kedro.plan.pipeline_plan import bubble_share, pipelined_plan
 from titan_kedro.plan.search import _stop_reason, enumerate_layouts, resolve_layout
 from titan_kedro.plan.search_table import NoLayoutFitsError, choose_layout, rank_rows
@@ -208,3 +208,20 @@ def test_the_training_node_searches_only_for_layout_auto_not_for_the_table() -> 
     job = resolve_job_config(raw)
     same, table = resolve_layout(job, table=False)  # plan.search alone: nothing to apply
     assert table is None and same is job
+
+
+def test_build_plan_of_a_pipelined_job_measures_its_heaviest_rank() -> None:
+    raw = {
+        "model": {"name": "deepseek_v2", "flavor": "debugmodel", "overrides": TINY_DEEPSEEK},
+        "training": {"seq_len": 32, "local_batch_size": 2, "device": "cpu"},
+        "parallelism": {"pipeline_parallel_degree": 2, "pipeline_microbatch_size": 1},
+        "launch": {"nproc_per_node": 4},
+        "validation": {"freq": 0},
+        "metrics": {"peak_tflops": 1.0},
+        "plan": {"device_memory_gib": 4.0},
+    }
+    plan = build_plan(resolve_job_config(raw))
+    # 4 ranks, 2 per stage; the heavier of the 2 pipeline ranks holds 2 of the 3 blocks.
+    assert plan["world_size"] == 4 and plan["layout"]["pp"] == 2
+    assert plan["layout"]["dp_shard"] == 2 and plan["pipeline"]["rank_blocks"] == 2
+    assert plan["pipeline"]["bubble"] == pytest.approx(1 / 2)  # (2 − 1) / 2 microbatches
