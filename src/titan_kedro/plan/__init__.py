@@ -14,11 +14,18 @@ from titan_kedro.plan.planner import (
     check_plan_fits,
     format_plan,
 )
+from titan_kedro.plan.search import resolve_layout, search_layouts
+from titan_kedro.plan.search_table import NoLayoutFitsError, choose_layout, format_search
 
 __all__ = [
+    "NoLayoutFitsError",
     "PlanDoesNotFitError",
     "apply_plan_choices",
     "build_plan",
     "check_plan_fits",
+    "choose_layout",
     "format_plan",
+    "format_search",
+    "resolve_layout",
+    "search_layouts",
 ]

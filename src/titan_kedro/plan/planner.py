@@ -24,6 +24,7 @@ from titan_kedro.plan.devices import GIB, PlannedDevice, planned_device, planned
 from titan_kedro.plan.fake_step import StepMeasurement, with_checkpointed
 from titan_kedro.plan.fake_world import fake_process_group
 from titan_kedro.plan.memory import ShardedBytes, activation_bytes, measure_sharded
+from titan_kedro.plan.pipeline_plan import pipelined_plan
 from titan_kedro.plan.report import (
     KINDS,
     PlanDoesNotFitError,
@@ -78,7 +79,10 @@ def build_plan(resolved: ResolvedJob) -> dict[str, Any]:
     if key in _MEASURED:
         logger.info("plan: this config was measured earlier in this process; reusing it")
         return copy.deepcopy(_MEASURED[key])
-    plan = _measure(resolved)
+    if resolved.config.layout.pp > 1:  # the fake step does not run pipelined steps
+        plan = pipelined_plan(resolved, build_plan)
+    else:
+        plan = _measure(resolved)
     _MEASURED[key] = copy.deepcopy(plan)
     return plan
 

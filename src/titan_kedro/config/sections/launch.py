@@ -114,3 +114,7 @@ class PlanSection(Section):
     """Model-FLOPs utilisation assumed for the wall time and device-hours of ``training.steps``."""
     enforce: bool = True
     """The training pipeline refuses to launch a job whose plan does not fit."""
+    search: bool = False
+    """Also search the layouts of the launch's world (``titan_kedro.plan.search``) and add
+    the ranked table (planned peak, fit, step time, recomputation) to the model card's
+    ``layout_search`` and the log; ``parallelism.layout: auto`` searches anyway."""

@@ -91,6 +91,11 @@ class LRSchedulerSection(Section):
 
 
 class ParallelismSection(Section):
+    layout: Literal["explicit", "auto"] = "explicit"
+    """``explicit``: train with the degrees below. ``auto``: the ``model_spec`` and
+    ``training`` nodes search the layouts of the launch's world (``plan.search``,
+    ``titan_kedro.plan.search``), train with the best one that fits (the degrees below are
+    replaced) and write the ranked table into the model card; nothing fitting fails there."""
     data_parallel_replicate_degree: StrictInt = Field(1, ge=1)
     """HSDP replicas (pure data parallel, gradients all-reduced)."""
     data_parallel_shard_degree: StrictInt = Field(-1, ge=-1)

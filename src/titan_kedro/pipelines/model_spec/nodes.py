@@ -8,7 +8,7 @@ from typing import Any
 from titan_kedro.data.vocab import check_vocab_fits
 from titan_kedro.models.counting import model_card
 from titan_kedro.models.resolve import resolve_job_config
-from titan_kedro.plan import build_plan, format_plan
+from titan_kedro.plan import build_plan, format_plan, resolve_layout
 
 logger = logging.getLogger(__name__)
 
@@ -27,18 +27,24 @@ def build_model_spec(
     Returns:
         The model card (see ``titan_kedro.models.counting.model_card``) with ``plan``, the
         per-rank memory measured on the sharded model, whether it fits, and the cost
-        (see ``titan_kedro.plan.build_plan``).
+        (see ``titan_kedro.plan.build_plan``); with ``plan.search`` or
+        ``parallelism.layout: auto`` also ``layout_search``, the ranked layouts (the
+        chosen one marked; the card and its plan then describe that layout).
 
     Raises:
         ConfigError: Unknown spec, unknown flavor, invalid override or custom-model
             import failure, with what to fix.
         ValueError: The token files hold ids beyond the model's embedding.
+        NoLayoutFitsError: ``parallelism.layout: auto`` found no layout that fits.
     """
     resolved = resolve_job_config(sections, source="parameters")
     if token_metadata is not None:
         check_vocab_fits(token_metadata, int(resolved.model_args.vocab_size))
+    resolved, search = resolve_layout(resolved)
     card = model_card(resolved.spec, resolved.model_args, resolved.config)
     card["plan"] = build_plan(resolved)
+    if search is not None:
+        card["layout_search"] = search
     params = card["parameters"]
     logger.info(
         "model %s/%s: %s parameters (%s active per token), %.3g GFLOPs/token at seq_len %d\n%s",

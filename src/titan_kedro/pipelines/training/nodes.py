@@ -14,7 +14,13 @@ from titan_kedro.config import dump_job_config
 from titan_kedro.data.vocab import check_vocab_fits
 from titan_kedro.launch import TrainingFailedError, launch_job, mlflow_env, prepare_job
 from titan_kedro.models.resolve import resolve_job_config
-from titan_kedro.plan import apply_plan_choices, build_plan, check_plan_fits, format_plan
+from titan_kedro.plan import (
+    apply_plan_choices,
+    build_plan,
+    check_plan_fits,
+    format_plan,
+    resolve_layout,
+)
 from titan_kedro.runs.folders import run_folder
 from titan_kedro.runs.identity import prepare_run
 from titan_kedro.tracking.mlflow_logger import RUN_ID_ENV
@@ -55,12 +61,13 @@ def train_model(
     Raises:
         PlanDoesNotFitError: The job needs more memory per rank than its devices have
             (with ``plan.enforce``); the message holds the numbers and what would help.
+            ``NoLayoutFitsError`` (one of them): ``parallelism.layout: auto`` found none.
         TrainingFailedError: A worker failed; the message holds its log tail.
         ResumeMismatchError: The continued checkpoint was trained with other maths.
         LaunchCheckError: A remote job could not see its files or reach MLflow.
     """
     del model_spec
-    resolved = resolve_job_config(sections)
+    resolved, _ = resolve_layout(resolve_job_config(sections), table=False)  # layout: auto
     check_vocab_fits(token_metadata, int(resolved.model_args.vocab_size))
     plan = build_plan(resolved)
     logger.info("%s", format_plan(plan))
