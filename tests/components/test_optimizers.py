@@ -113,3 +113,49 @@ def test_nothing_to_train_fails_clearly() -> None:
         assert "requires_grad" in str(err)
     else:
         raise AssertionError("expected a ValueError")
+
+
+def test_a_model_with_dtensor_and_plain_parameters_steps_like_plain_adamw(tmp_path) -> None:
+    """Tensor parallelism without FSDP leaves some parameters plain: a fused AdamW group
+    holding both kinds fails ("mixed torch.Tensor and DTensor"), so each kind gets its own
+    group, and the step is the one plain AdamW takes."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        torch.manual_seed(0)
+        model = Small()
+        reference = copy.deepcopy(model)
+        model.proj.weight = nn.Parameter(
+            distribute_tensor(model.proj.weight.detach(), mesh, [Replicate()])
+        )
+        optimizer = {"lr": 0.01, "weight_decay": 0.1, "no_decay_norm_bias_embed": False}
+        opt = build_optimizers([model], make_config(optimizer=optimizer))
+        kinds = [{isinstance(p, DTensor) for p in g["params"]} for g in opt.param_groups]
+        assert sorted(map(sorted, kinds)) == [[False], [True]]  # one kind per group
+        plain = torch.optim.AdamW(
+            [p for p in reference.parameters() if p.requires_grad], lr=0.01, weight_decay=0.1
+        )
+        torch.manual_seed(1)
+        grads = [torch.randn_like(p) for p in reference.parameters() if p.requires_grad]
+        for _ in range(2):  # the same gradients into both (a forward would need DTensor inputs)
+            for param, grad in zip([p for p in model.parameters() if p.requires_grad], grads):
+                param.grad = (
+                    distribute_tensor(grad, mesh, [Replicate()])
+                    if isinstance(param, DTensor)
+                    else grad.clone()
+                )
+            for param, grad in zip(plain.param_groups[0]["params"], grads):
+                param.grad = grad.clone()
+            opt.step()
+            plain.step()
+        for (name, param), theirs in zip(model.named_parameters(), reference.parameters()):
+            ours = param.full_tensor() if isinstance(param, DTensor) else param
+            assert torch.allclose(ours, theirs, atol=1e-6), name
+    finally:
+        dist.destroy_process_group()

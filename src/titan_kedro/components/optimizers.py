@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -46,20 +47,31 @@ def param_groups_for(
             dimensions) and embedding tables in a group without weight decay.
 
     Returns:
-        Non-empty parameter groups; parameters with ``requires_grad=False`` are left out.
+        Non-empty parameter groups, split further by kind of tensor (plain, or DTensor on
+        each device mesh); parameters with ``requires_grad=False`` are left out.
     """
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not no_decay_norm_bias_embed:
-        return [{"params": trainable, "weight_decay": weight_decay}] if trainable else []
+        return _split_by_kind(trainable, weight_decay)
     exempt = _no_decay_param_ids(model)
     decay = [p for p in trainable if id(p) not in exempt]
     no_decay = [p for p in trainable if id(p) in exempt]
-    groups = []
-    if decay:
-        groups.append({"params": decay, "weight_decay": weight_decay})
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
+    return _split_by_kind(decay, weight_decay) + _split_by_kind(no_decay, 0.0)
+
+
+def _split_by_kind(params: list[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
+    """One group per kind of tensor: plain tensors, and DTensors per device mesh.
+
+    A fused or foreach AdamW steps a group in one multi-tensor kernel, which refuses plain
+    tensors mixed with DTensors (tensor parallelism without FSDP leaves the parameters it
+    does not split, and expert-parallel experts, plain).
+    """
+    kinds: dict[Any, list[nn.Parameter]] = {}
+    for param in params:
+        kinds.setdefault(param.device_mesh if isinstance(param, DTensor) else None, []).append(
+            param
+        )
+    return [{"params": group, "weight_decay": weight_decay} for group in kinds.values()]
 
 
 class OptimizersContainer(torch.optim.Optimizer, Stateful):
