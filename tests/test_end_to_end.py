@@ -26,7 +26,7 @@ from conftest import SHARED_SAMPLE, write_c4_shard
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 from mlflow_store import migrated_store
-from train.helpers import node_job_config
+from train.helpers import TINY_DEEPSEEK, node_job_config, rerun_here
 
 from tests.config.field_reads import (
     branch_reads,
@@ -374,6 +374,14 @@ def test_system_metrics_dataset_inputs_and_registered_model(e2e: E2ERun) -> None
 
 
 TRAIN_ONLY = ("--pipelines", "data_processing,model_spec,training")
+SMALL_MODEL = ",".join(
+    f"model.overrides.{key}={value}"
+    for key, value in {**TINY_DEEPSEEK, "vocab_size": None, "dim": 16}.items()
+    if value is not None
+)
+"""The interrupted and continued runs test training mechanics (a new run, continuing on
+another layout), not the vocabulary: the real tokenizer's 102,400-row tables stay, 16
+wide, and the rest is ``TINY_DEEPSEEK``'s (a few seconds of training, not a minute)."""
 
 
 @dataclass
@@ -392,7 +400,11 @@ def interrupted(e2e: E2ERun) -> Interrupted:
         "TITAN_KEDRO_CRASH_RANK": "1",
     }
     failed = kedro_run(
-        e2e.project, *TRAIN_ONLY, "--params", "checkpoint.interval=3", extra_env=crash
+        e2e.project,
+        *TRAIN_ONLY,
+        "--params",
+        f"checkpoint.interval=3,{SMALL_MODEL}",
+        extra_env=crash,
     )
     output = failed.stdout + failed.stderr
     assert failed.returncode != 0 and "rank 1 exits at step 5" in output, output[-6000:]
@@ -425,7 +437,10 @@ def test_the_interrupted_run_continues_on_two_torchx_agents_into_its_mlflow_run(
     1 × 2 checkpoint of step 3 and log the uninterrupted run's losses into the same run."""
     experiment = e2e.client.get_experiment_by_name("titan_kedro")
     two_agents = "launch.scheduler=local_cwd,launch.nnodes=2,launch.nproc_per_node=1"
-    params = f"checkpoint.resume=latest,checkpoint.interval=3,{two_agents},training.num_threads=1"
+    params = (
+        f"checkpoint.resume=latest,checkpoint.interval=3,{two_agents},training.num_threads=1,"
+        + SMALL_MODEL
+    )
     proc = kedro_run(e2e.project, *TRAIN_ONLY, "--params", params)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"continuing failed:\n{output[-6000:]}"
@@ -438,7 +453,13 @@ def test_the_interrupted_run_continues_on_two_torchx_agents_into_its_mlflow_run(
     assert continued.info.status == "FINISHED"
     assert "checkpoint.resume: never -> latest" in continued.data.tags["titan_kedro.changed_params"]
     history = e2e.client.get_metric_history(interrupted.run.info.run_id, "loss")
-    reference = dict(e2e.history("loss"))  # the first, uninterrupted run
+    # The same job uninterrupted: one torchrun of 1 × 2 processes from the run's own config.
+    reference = rerun_here(
+        node_job_config(e2e.project / "data/07_model_output/job", interrupted.run.info.run_id),
+        e2e.project.parent / "uninterrupted",
+        nproc=2,
+        data={"token_dir": str(e2e.project / "data/05_model_input/tokens")},  # not cwd's
+    )
     assert {m.step for m in history} == set(reference) == set(range(1, 13))
     # Steps 1-4 were logged before the crash on 1 × 2, 4-12 after continuing on 2 × 1.
     worst = max(abs(m.value - reference[m.step]) for m in history)
