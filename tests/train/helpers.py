@@ -154,10 +154,11 @@ def rerun_here(
     env: dict[str, str] | None = None,
     **sections: dict[str, Any],
 ) -> dict[int, float]:
-    """Train the resolved job a node wrote (its ``job_config.yaml``) again by plain torchrun
-    on this machine, with ``sections`` merged over it (and ``env`` over this process's
-    environment), writing only under ``root`` and logging nowhere; returns its
-    ``{step: loss}``."""
+    """Train the resolved job a node wrote (its ``job_config.yaml``) again on this machine
+    with ``sections`` merged over it, writing only under ``root`` and logging nowhere;
+    returns its ``{step: loss}``. It trains in this process (``nproc`` 1) or ``nproc``
+    spawned gloo ranks, or, given ``env`` (merged over this process's environment), by
+    plain torchrun."""
     raw = yaml.safe_load(job_config.read_text(encoding="utf-8"))
     raw["job"].update(dump_folder=str(root / "job"), run_id=None)
     raw["launch"].update(scheduler="local", nnodes=1, log_dir=str(root / "logs"))
@@ -165,7 +166,14 @@ def rerun_here(
     raw["metrics"]["enable_mlflow"] = False
     for name, values in sections.items():
         raw[name] = {**raw.get(name, {}), **values}
-    run_worker(raw, nproc=nproc, extra_env=env, timeout_s=600)
+    if env is not None:
+        run_worker(raw, nproc=nproc, extra_env=env, timeout_s=600)
+    elif nproc == 1:
+        train_here(raw)
+    else:
+        raw["launch"]["nproc_per_node"] = nproc
+        root.mkdir(parents=True, exist_ok=True)
+        run_ranks(train_each, [raw], store=root / "store", world=nproc)
     return step_losses(root / "job")
 
 
