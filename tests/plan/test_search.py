@@ -165,15 +165,20 @@ def test_measuring_stops_at_enough_fitting_the_cap_or_the_budget_once_one_fits()
     assert _stop_reason([big, fits], 0, search.MEASURE_BUDGET_S - 1) is None
 
 
-def test_auto_recompute_of_a_pipelined_stage_is_chosen_again_for_the_held_microbatches() -> None:
-    raw = {
+def _pipelined_tiny(**sections: dict[str, Any]) -> dict[str, Any]:
+    """``TINY_DEEPSEEK`` on 4 ranks as PP 2 with one-sample microbatches, plus ``sections``."""
+    return {
         "model": {"name": "deepseek_v2", "flavor": "debugmodel", "overrides": TINY_DEEPSEEK},
         "training": {"seq_len": 32, "local_batch_size": 2, "device": "cpu"},
         "parallelism": {"pipeline_parallel_degree": 2, "pipeline_microbatch_size": 1},
         "launch": {"nproc_per_node": 4},
         "validation": {"freq": 0},
-        "plan": {"device_memory_gib": 80.0},
+        **sections,
     }
+
+
+def test_auto_recompute_of_a_pipelined_stage_is_chosen_again_for_the_held_microbatches() -> None:
+    raw = _pipelined_tiny(plan={"device_memory_gib": 80.0})
     raw["training"]["activation_checkpoint"] = "auto"
     gib, budgets = 2**30, []
 
@@ -211,15 +216,7 @@ def test_the_training_node_searches_only_for_layout_auto_not_for_the_table() -> 
 
 
 def test_build_plan_of_a_pipelined_job_measures_its_heaviest_rank() -> None:
-    raw = {
-        "model": {"name": "deepseek_v2", "flavor": "debugmodel", "overrides": TINY_DEEPSEEK},
-        "training": {"seq_len": 32, "local_batch_size": 2, "device": "cpu"},
-        "parallelism": {"pipeline_parallel_degree": 2, "pipeline_microbatch_size": 1},
-        "launch": {"nproc_per_node": 4},
-        "validation": {"freq": 0},
-        "metrics": {"peak_tflops": 1.0},
-        "plan": {"device_memory_gib": 4.0},
-    }
+    raw = _pipelined_tiny(metrics={"peak_tflops": 1.0}, plan={"device_memory_gib": 4.0})
     plan = build_plan(resolve_job_config(raw))
     # 4 ranks, 2 per stage; the heavier of the 2 pipeline ranks holds 2 of the 3 blocks.
     assert plan["world_size"] == 4 and plan["layout"]["pp"] == 2
