@@ -9,8 +9,8 @@ checkpoint at its next step and trains on). Group 0 trains on alone; slurmctld f
 node silent after ``SlurmdTimeout`` and ends the job ``NODE_FAIL`` (a group's job is
 submitted with ``--no-requeue``); the launcher submits the group again, the test starts the
 node's slurmd again, the new job starts there, heals from group 0, and both finish in one
-MLflow run. The same resubmission after ``scancel`` is unit-tested with a fake runner
-(``test_slurm_groups.py``): only how the job ends differs. The run is launched in this
+MLflow run. A second run of the same job has group 1's job ``scancel``-ed instead (it ends
+CANCELLED at once) and must be submitted again and heal the same way. The runs are launched in this
 process (``prepare_job`` and ``launch_job``, what the training node calls), not by
 ``kedro run``, whose start (about 45 s) ``test_slurm.py`` already pays. A second, short
 launch is interrupted (Ctrl-C, in this process, right after submitting) and must leave
@@ -27,7 +27,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -167,23 +167,38 @@ def _lose_group_1_node(
                 reference.join(600)
 
 
-@pytest.fixture(scope="module")
-def healed(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HealedRun]:
-    """The run whose group 1 loses its node before step 9 (see the module docstring)."""
-    problem = node_failure_problem(slurm_config())
-    assert problem is None, problem
-    root = tmp_path_factory.mktemp("slurmft")
+def _cancel_group_1(
+    console: io.StringIO, done: threading.Event, config: Path, fault: dict[str, Any]
+) -> None:
+    """The fault thread of the second run: once group 1 waits, ``scancel`` its job (what an
+    administrator, or a preemption that does not requeue, does to one group)."""
+    jobs: dict[int, str] = {}
+    try:
+        while HANGS not in console.getvalue():
+            if done.wait(0.2):
+                return
+        jobs = {int(g): job for g, job, _ in SUBMITTED.findall(console.getvalue())}
+        subprocess.run(["scancel", jobs[1]], check=True, timeout=30)
+        fault["ended"] = wait_until_not_running(jobs[1], timeout_s=120)
+    except BaseException as err:  # reported by the test; the run must still end
+        fault["error"] = err
+        for job in jobs.values():
+            subprocess.run(["scancel", job], check=False, timeout=30)
+
+
+def _healed_run(server: Server, root: Path, name: str, lose: Callable[..., None]) -> HealedRun:
+    """Launch the 2-group job with ``lose`` as its fault thread; the run once it ended."""
     write_token_dir(root / "tokens")
-    run = server.client.create_run(server.client.create_experiment("healed"))
+    run = server.client.create_run(server.client.create_experiment(name))
     env = {"MLFLOW_RUN_ID": run.info.run_id, "MLFLOW_TRACKING_URI": server.uri()}
     console, done, fault, error = io.StringIO(), threading.Event(), {}, None
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(root)  # Slurm writes the groups' logs into the submit folder
-        for name, value in HOOKS.items():
-            patch.setenv(name, value)  # sbatch hands this environment to the jobs
+        for key, value in HOOKS.items():
+            patch.setenv(key, value)  # sbatch hands this environment to the jobs
         cfg = prepare_job(build_job_config(_job(root)), env)
         config = dump_job_config(cfg, root / "job" / "job_config.yaml")
-        thread = threading.Thread(target=_lose_group_1_node, args=(console, done, config, fault))
+        thread = threading.Thread(target=lose, args=(console, done, config, fault))
         thread.start()
         try:
             launch_job(cfg, config, env, console=console)
@@ -192,17 +207,64 @@ def healed(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         finally:
             done.set()
             thread.join(300)
-    (root / "healed.log").write_text(console.getvalue())  # to read when a check fails
+    (root / f"{name}.log").write_text(console.getvalue())  # to read when a check fails
     jobs: dict[int, list[str]] = {}
     for group, job, _ in SUBMITTED.findall(console.getvalue()):
         jobs.setdefault(int(group), []).append(job)
-    yield HealedRun(console.getvalue(), error, jobs, run.info.run_id, root, fault)
+    return HealedRun(console.getvalue(), error, jobs, run.info.run_id, root, fault)
+
+
+@pytest.fixture(scope="module")
+def healed(server: Server, tmp_path_factory: pytest.TempPathFactory) -> HealedRun:
+    """The run whose group 1 loses its node before step 9 (see the module docstring)."""
+    problem = node_failure_problem(slurm_config())
+    assert problem is None, problem
+    return _healed_run(server, tmp_path_factory.mktemp("slurmft"), "healed", _lose_group_1_node)
+
+
+@pytest.fixture(scope="module")
+def cancelled(server: Server, tmp_path_factory: pytest.TempPathFactory) -> HealedRun:
+    """The same job, whose group 1's job is ``scancel``-ed before step 9."""
+    return _healed_run(server, tmp_path_factory.mktemp("scancel"), "cancelled", _cancel_group_1)
 
 
 def _history(server: Server, run_id: str, key: str) -> dict[int, Any]:
     """``{step: metric}`` (the latest value logged for each step)."""
     history = sorted(server.client.get_metric_history(run_id, key), key=lambda m: m.timestamp)
     return {m.step: m for m in history}
+
+
+def _assert_group_1_came_back_and_healed(run: HealedRun, server: Server) -> None:
+    """Every step's loss logged; ``ft/participants`` 2 → 1 (from the fault step) → 2, the new
+    job healing where it comes back; both groups' final states bitwise equal."""
+    losses = {step: m.value for step, m in _history(server, run.run_id, "loss").items()}
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    participants = [int(m.value) for _, m in sorted(
+        _history(server, run.run_id, "ft/participants").items())]  # fmt: skip
+    alone = [step for step, p in enumerate(participants, 1) if p == 1]
+    assert participants[: FAULT_STEP - 1] == [2] * (FAULT_STEP - 1), participants
+    assert alone and alone == list(range(FAULT_STEP, alone[-1] + 1)), participants  # 2 → 1 → 2
+    assert participants[alone[-1] :] == [2] * (STEPS - alone[-1]), participants
+    healed_at = _history(server, run.run_id, "ft/healed_groups")
+    assert list(healed_at) == [alone[-1] + 1], healed_at  # group 1's new job healed there
+    digests = [
+        json.loads(p.read_text()) for p in sorted((run.root / "job").rglob("replica-*.json"))
+    ]
+    assert len(digests) == 2 and digests[0] == digests[1] and digests[0]["step"] == STEPS
+
+
+def test_a_scancelled_group_job_is_submitted_again_and_heals(
+    cancelled: HealedRun, server: Server
+) -> None:
+    out, fault = cancelled.output, cancelled.fault
+    assert cancelled.error is None and "error" not in fault, (cancelled.error, fault, out[-6000:])
+    (job_0,), (job_1, again) = cancelled.jobs[0], cancelled.jobs[1]
+    assert f"[group 1] job slurm://torchx/{job_1} ended CANCELLED; submitting it again" in out
+    _assert_group_1_came_back_and_healed(cancelled, server)
+    tags = server.client.get_run(cancelled.run_id).data.tags
+    assert tags["slurm.job_ids.group_1"] == f"{job_1},{again}"
+    assert (tags["ft.restarts.group_0"], tags["ft.restarts.group_1"]) == ("0", "1")
+    assert not any(_queued(job) for job in (job_0, job_1, again))
 
 
 def test_a_group_whose_node_is_lost_is_submitted_again_and_heals(
@@ -219,21 +281,7 @@ def test_a_group_whose_node_is_lost_is_submitted_again_and_heals(
     assert f"[group 1] job slurm://torchx/{job_1} ended FAILED; submitting it again" in out
     assert requeue_count(job_1) == 0  # not requeued by Slurm as well
     assert node_state(fault["node"]) in UP
-    losses = {step: m.value for step, m in _history(server, healed.run_id, "loss").items()}
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    participants = [int(m.value) for _, m in sorted(
-        _history(server, healed.run_id, "ft/participants").items())]  # fmt: skip
-    alone = [step for step, p in enumerate(participants, 1) if p == 1]
-    assert participants[: FAULT_STEP - 1] == [2] * (FAULT_STEP - 1), participants
-    assert alone and alone == list(range(FAULT_STEP, alone[-1] + 1)), participants  # 2 → 1 → 2
-    assert participants[alone[-1] :] == [2] * (STEPS - alone[-1]), participants
-    healed_at = _history(server, healed.run_id, "ft/healed_groups")
-    assert list(healed_at) == [alone[-1] + 1], healed_at  # group 1's new job healed there
-    # Both groups end in lock-step: their final states are bitwise equal.
-    digests = [
-        json.loads(p.read_text()) for p in sorted((healed.root / "job").rglob("replica-*.json"))
-    ]
-    assert len(digests) == 2 and digests[0] == digests[1] and digests[0]["step"] == STEPS
+    _assert_group_1_came_back_and_healed(healed, server)
     tags = server.client.get_run(healed.run_id).data.tags
     assert (tags["slurm.job_ids.group_0"], tags["slurm.job_ids.group_1"]) == (
         job_0, f"{job_1},{again}")  # fmt: skip
