@@ -261,6 +261,7 @@ def test_a_scancelled_group_job_is_submitted_again_and_heals(
     (job_0,), (job_1, again) = cancelled.jobs[0], cancelled.jobs[1]
     assert f"[group 1] job slurm://torchx/{job_1} ended CANCELLED; submitting it again" in out
     _assert_group_1_came_back_and_healed(cancelled, server)
+    _assert_group_0_never_waited(cancelled, server)
     tags = server.client.get_run(cancelled.run_id).data.tags
     assert tags["slurm.job_ids.group_1"] == f"{job_1},{again}"
     assert (tags["ft.restarts.group_0"], tags["ft.restarts.group_1"]) == ("0", "1")
@@ -315,16 +316,24 @@ def test_group_0_never_waits_longer_than_the_quorum_timeout_plus_a_step(
     timeout plus one step after the one before. One step is the slowest fault-free step of
     this run, plus the test's sleep while group 0 trains alone. Group 1 was away far longer
     than that bound, so group 0 did not wait for it."""
-    ends = {step: m.timestamp / 1000 for step, m in _history(server, healed.run_id, "loss").items()}
-    alone = {step for step, m in _history(server, healed.run_id, "ft/participants").items()
+    away, one_step = _assert_group_0_never_waited(healed, server)
+    assert away > QUORUM_TIMEOUT_S + DEGRADED_DELAY_S + one_step, away
+
+
+def _assert_group_0_never_waited(run: HealedRun, server: Server) -> tuple[float, float]:
+    """Every gap between two of the leader's steps is at most the quorum timeout plus one
+    step (the slowest fault-free step, plus the test's sleep while group 0 trains alone);
+    returns how long group 1 was away (last fault-free step to the first shared one again)
+    and that step."""
+    ends = {step: m.timestamp / 1000 for step, m in _history(server, run.run_id, "loss").items()}
+    alone = {step for step, m in _history(server, run.run_id, "ft/participants").items()
              if m.value < 2}  # fmt: skip
     gaps = {step: ends[step] - ends[step - 1] for step in range(2, STEPS + 1)}
     one_step = max(gaps[step] for step in range(2, FAULT_STEP))
     for step, gap in gaps.items():
         bound = QUORUM_TIMEOUT_S + one_step + (DEGRADED_DELAY_S if step in alone else 0.0)
         assert gap <= bound, (step, gap, bound, gaps)
-    away = ends[max(alone) + 1] - ends[FAULT_STEP - 1]
-    assert away > QUORUM_TIMEOUT_S + DEGRADED_DELAY_S + one_step, (away, gaps)
+    return ends[max(alone) + 1] - ends[FAULT_STEP - 1], one_step
 
 
 def test_no_group_job_shows_the_password(healed: HealedRun, server: Server) -> None:
