@@ -153,6 +153,28 @@ def restart(state: Path) -> None:
     saved = json.loads((state / "weed.cmd.json").read_text())
     # A master restarted on its raft state waits out an election timeout (10 s by default).
     _launch(state, [*saved["cmd"], "-master.electionTimeout=1s"], saved["endpoint"])
+    # The S3 gateway answers before the volume server has told the new master about its
+    # volumes; until then every read of an object stored before the kill is an InternalError.
+    master = next(a.split("=", 1)[1] for a in saved["cmd"] if a.startswith("-master.port="))
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not _volume_server_registered(f"http://127.0.0.1:{master}"):
+        if time.monotonic() > deadline:
+            stop(state)
+            raise SystemExit(f"s3_up: no volume server came back; see {state / 'weed.log'}")
+        time.sleep(0.2)
+
+
+def _volume_server_registered(master: str) -> bool:
+    """True when the master's topology lists a volume server (with all its volumes: a
+    volume server reports them in the heartbeat that registers it)."""
+    try:
+        with urllib.request.urlopen(f"{master}/dir/status", timeout=2) as answer:
+            topology = json.load(answer)["Topology"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return any(
+        rack.get("DataNodes") for dc in topology.get("DataCenters") or [] for rack in dc["Racks"]
+    )
 
 
 def _launch(state: Path, cmd: list[str], endpoint: str) -> None:
