@@ -6,6 +6,7 @@ import gzip
 import json
 import os
 import random
+import resource
 import shutil
 import signal
 import sys
@@ -108,6 +109,9 @@ _test_seconds: dict[str, float] = {}
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _test_seconds[report.nodeid] = _test_seconds.get(report.nodeid, 0.0) + report.duration
+    for name, value in report.user_properties:
+        if name == "cpu_s":
+            _test_cpu_s[report.nodeid] = value
 
 
 def _over_budget() -> list[tuple[str, float]]:
@@ -117,12 +121,43 @@ def _over_budget() -> list[tuple[str, float]]:
     )
 
 
+CPU_REPORT_LINES = 15
+"""The tests with the most CPU time, listed after the suite: on 2 cores the suite is bound
+by CPU, not by waiting, so these (not ``--durations``' wall times) are what to make cheaper."""
+_cpu_at_start: dict[str, float] = {}
+_test_cpu_s: dict[str, float] = {}
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and its ended children (torchrun, kedro, their workers;
+    Slurm jobs run under slurmd and are not counted)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def pytest_runtest_logstart(nodeid: str, location: Any) -> None:
+    _cpu_at_start[nodeid] = _cpu_s()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    outcome = yield
+    if call.when == "teardown" and item.nodeid in _cpu_at_start:
+        cpu = _cpu_s() - _cpu_at_start.pop(item.nodeid)
+        outcome.get_result().user_properties.append(("cpu_s", cpu))  # reaches xdist's controller
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     over = _over_budget()
     if over:
         terminalreporter.section(f"tests over the {TEST_BUDGET_S:.0f} s budget", red=True)
         for test, seconds in over:
             terminalreporter.line(f"{seconds:7.1f} s  {test}")
+    if _test_cpu_s:
+        terminalreporter.section(f"most CPU time ({sum(_test_cpu_s.values()):.0f} s in all)")
+        for test, cpu in sorted(_test_cpu_s.items(), key=lambda item: -item[1])[:CPU_REPORT_LINES]:
+            terminalreporter.line(f"{cpu:7.1f} s  {test}")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
