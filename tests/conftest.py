@@ -129,11 +129,26 @@ _test_cpu_s: dict[str, float] = {}
 
 
 def _cpu_s() -> float:
-    """CPU seconds of this process and its ended children (torchrun, kedro, their workers;
-    Slurm jobs run under slurmd and are not counted)."""
+    """CPU seconds of this process and its ended children (torchrun, kedro, their workers)
+    and of the ranks ``run_ranks`` forked from its forkserver. Slurm jobs run under slurmd
+    and are not counted."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + _forkserver_s()
+
+
+def _forkserver_s() -> float:
+    """The forkserver's CPU seconds and its ended children's, from ``/proc/<pid>/stat``."""
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid is None:
+        return 0.0
+    try:  # after the ")" that ends the command name: state is field 3, utime field 14
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(tick) for tick in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def pytest_runtest_logstart(nodeid: str, location: Any) -> None:

@@ -213,15 +213,21 @@ def _rank_entry(
     rank: int,
     world: int,
     store_path: str,
-    call: tuple[Callable[..., None], tuple, float],
+    call: tuple[Callable[..., None], tuple, float, dict[str, str]],
     errors: Any,
 ) -> None:
     import datetime
     import traceback
 
+    import torch
     import torch.distributed as dist
 
-    check, args, timeout_s = call
+    check, args, timeout_s, environ = call
+    # A forkserver's child has the server's environment, not the test's (its hooks' and
+    # threads' variables): take the test's.
+    os.environ.clear()
+    os.environ.update(environ)
+    torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
     try:
         dist.init_process_group(
             "gloo",
@@ -241,6 +247,17 @@ def _rank_entry(
         raise
 
 
+RANK_PRELOAD = (
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.pipelining",
+    "torch.distributed.tensor.parallel",
+    "titan_kedro.models.registry",
+    "titan_kedro.train.trainer",
+)
+"""What the forkserver of ``run_ranks`` imports once for all the ranks it forks."""
+
+
 def run_ranks(
     check: Callable[..., None],
     *args: Any,
@@ -248,20 +265,28 @@ def run_ranks(
     world: int = 2,
     collective_timeout_s: float = 1800.0,
 ) -> None:
-    """Run ``check(rank, world, *args)`` in ``world`` spawned gloo processes; fail on any error.
+    """Run ``check(rank, world, *args)`` in ``world`` gloo processes; fail on any error.
 
     ``check`` must be a module-level function (it is pickled into the children). A
     collective that waits longer than ``collective_timeout_s`` fails its rank.
+
+    The processes are forked from a forkserver that has imported torch and the trainer
+    once (``RANK_PRELOAD``), not spawned: a spawned rank spends seconds of CPU importing
+    them, and this 2-core suite is bound by CPU. The server starts fresh (no test state, no
+    threads) and lives as long as this pytest process.
     """
     import torch.multiprocessing as mp
 
-    errors = mp.get_context("spawn").SimpleQueue()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    procs = mp.spawn(
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(RANK_PRELOAD))
+    errors = context.SimpleQueue()
+    environ = {"OMP_NUM_THREADS": "1", **os.environ}
+    procs = mp.start_processes(
         _rank_entry,
-        args=(world, str(store), (check, args, collective_timeout_s), errors),
+        args=(world, str(store), (check, args, collective_timeout_s, environ), errors),
         nprocs=world,
         join=False,
+        start_method="forkserver",
     )
     try:
         while not procs.join(timeout=120):
