@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from train.helpers import run_worker, tiny_job, write_token_dir
+from train.helpers import tiny_job, train_on_ranks, write_token_dir
 
 
 @pytest.mark.slow
@@ -26,7 +26,7 @@ def test_llama3_trains_with_fsdp_on_two_ranks(tmp_path: Path) -> None:
         optimizer={"lr": 1e-2},
         launch={"nproc_per_node": 2},
     )
-    run_worker(raw, nproc=2)
+    train_on_ranks(raw, 2)
     metrics = [json.loads(line) for line in (tmp_path / "job" / "metrics.jsonl").open()]
     losses = [m["loss"] for m in metrics if "loss" in m]
     assert len(losses) == 24

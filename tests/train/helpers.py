@@ -171,10 +171,17 @@ def rerun_here(
     elif nproc == 1:
         train_here(raw)
     else:
-        raw["launch"]["nproc_per_node"] = nproc
-        root.mkdir(parents=True, exist_ok=True)
-        run_ranks(train_each, [raw], store=root / "store", world=nproc)
+        train_on_ranks(raw, nproc)
     return step_losses(root / "job")
+
+
+def train_on_ranks(raw: dict[str, Any], nproc: int) -> None:
+    """Train the job ``raw`` on ``nproc`` gloo ranks of ``run_ranks`` (no torchrun: for
+    tests of training, not of launching), its store beside the job's dump folder."""
+    raw = {**raw, "launch": {**raw.get("launch", {}), "nproc_per_node": nproc}}
+    dump = Path(raw["job"]["dump_folder"])
+    dump.mkdir(parents=True, exist_ok=True)
+    run_ranks(train_each, [raw], store=dump.parent / f"{dump.name}.store", world=nproc)
 
 
 def step_losses(dump_folder: str | Path) -> dict[int, float]:

@@ -22,6 +22,7 @@ from train.helpers import (
     tiny_job,
     train_each,
     train_here,
+    train_on_ranks,
     write_token_dir,
 )
 
@@ -104,7 +105,7 @@ RESUME_JOB: dict[str, Any] = {
 def test_two_ranks_then_four_ranks_continue_like_an_uninterrupted_run(tmp_path: Path) -> None:
     tokens = write_token_dir(tmp_path / "tokens")
     straight = tiny_job(tmp_path / "straight", tokens, **RESUME_JOB)
-    run_worker(straight, nproc=2)
+    train_on_ranks(straight, 2)
     reference = step_losses(straight["job"]["dump_folder"])
     # The uninterrupted run's step-3 checkpoint is the one a 2-rank run stopped after step 3
     # leaves (same job, same steps): continuing it needs no second 2-rank launch. Stopping a

@@ -18,9 +18,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from tests.train.helpers import (
     TINY_DEEPSEEK,
-    run_worker,
     step_losses,
     tiny_job,
+    train_on_ranks,
     validation_loader,
     write_token_dir,
 )
@@ -67,7 +67,7 @@ def test_ep2_run_starts_from_exported_folder_with_its_loss(tmp_path: Path) -> No
     token_dir = write_token_dir(tmp_path / "tokens", n_train=4_000)
     resolved, model, folder = _export(tmp_path, token_dir)
     raw = _job(tmp_path / "run", token_dir, folder)
-    run_worker(raw, nproc=2)
+    train_on_ranks(raw, 2)
     loss = step_losses(raw["job"]["dump_folder"])[1]
     # What each rank reads is checked in-process: test_each_rank_reads_only_its_shards.
 
