@@ -373,7 +373,7 @@ def test_system_metrics_dataset_inputs_and_registered_model(e2e: E2ERun) -> None
     assert float(np.abs(theirs - expected).max()) <= 1e-4
 
 
-TRAIN_ONLY = ("--pipelines", "data_processing,model_spec,training")
+TRAIN_ONLY = ("--pipelines", "model_spec,training")  # on the e2e run's token files
 SMALL_MODEL = ",".join(
     f"model.overrides.{key}={value}"
     for key, value in {**TINY_DEEPSEEK, "vocab_size": None, "dim": 16}.items()
