@@ -410,7 +410,10 @@ def interrupted(e2e: E2ERun) -> Interrupted:
     assert failed.returncode != 0 and "rank 1 exits at step 5" in output, output[-6000:]
     experiment = e2e.client.get_experiment_by_name("titan_kedro")
     runs = e2e.client.search_runs([experiment.experiment_id], order_by=["start_time ASC"])
-    assert len(runs) == 2 and runs[0].info.run_id == e2e.run.info.run_id
+    assert len(runs) == 2 and runs[0].info.run_id == e2e.run.info.run_id, (
+        [(r.info.run_id, r.info.status, r.info.start_time) for r in runs],
+        output[-3000:],
+    )
     return Interrupted(runs[1], output)
 
 
