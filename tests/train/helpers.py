@@ -156,8 +156,8 @@ def rerun_here(
 ) -> dict[int, float]:
     """Train the resolved job a node wrote (its ``job_config.yaml``) again on this machine
     with ``sections`` merged over it, writing only under ``root`` and logging nowhere;
-    returns its ``{step: loss}``. It trains in this process (``nproc`` 1) or ``nproc``
-    spawned gloo ranks, or, given ``env`` (merged over this process's environment), by
+    returns its ``{step: loss}``. It trains in this process (``nproc`` 1) or on ``nproc``
+    forked gloo ranks (``train_on_ranks``), or, given ``env`` (merged over this process's environment), by
     plain torchrun."""
     raw = yaml.safe_load(job_config.read_text(encoding="utf-8"))
     raw["job"].update(dump_folder=str(root / "job"), run_id=None)

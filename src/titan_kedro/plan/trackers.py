@@ -2,8 +2,10 @@
 peak happened, the peak reset, and each block's saved bytes.
 
 Everything here that reaches into the trackers' private state (``_peak_mem``,
-``_peak_mem_snap``, ``_mod_tracker``, ``_in_opt``, ``_update_peak_stats``,
-``memory_tracking``'s stats' ``mod_fqn``) is in this module only; ``tests/plan/test_fake_step.py`` fails if torch renames those attributes.
+``_peak_mem_snap``, ``_mod_tracker``, ``_in_opt``, ``_update_peak_stats``, the stats'
+``mod_fqn``) is in this module only; ``tests/plan/test_fake_step.py`` and
+``tests/plan/test_trackers.py`` fail if torch renames those attributes or changes what
+its peak update does.
 """
 
 from __future__ import annotations
