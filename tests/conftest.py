@@ -21,6 +21,12 @@ from tests.storage_fixtures import s3_bucket, s3_module_bucket, s3_server  # noq
 
 REPO = Path(__file__).resolve().parents[1]
 
+# One CPU thread per process unless the caller says otherwise: the two xdist workers, the
+# `kedro run`s and the workers they start share 2 cores, where a second intra-op thread per
+# process only oversubscribes them (its spinning costs CPU the other tests need). Set
+# before torch is first imported in this process; subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # A suite started in the background by a shell without job control (`(make test &)`)
 # inherits SIGINT ignored, and so does every process it starts, since an ignored signal
 # stays ignored across exec: the Ctrl-C tests' SIGINT would then reach nothing. Processes

@@ -49,8 +49,10 @@ def test_params() -> dict[str, Any]:
 
 
 def with_model(params: dict[str, Any], **model: Any) -> dict[str, Any]:
+    """``params`` with ``model`` set over its model section; another model starts from its
+    flavor's values, not from conf/test's overrides of the debugmodel."""
     params = copy.deepcopy(params)
-    params["model"].update(model)
+    params["model"].update({"overrides": {}, **model})
     return params
 
 
