@@ -478,6 +478,10 @@ def test_the_interrupted_run_continues_on_two_torchx_agents_into_its_mlflow_run(
     for m in history:
         assert m.value == pytest.approx(reference[m.step], abs=1e-6), m.step
     assert checkpoint_of(e2e.project, interrupted.run, 12).is_dir()
+    # After 2 warmup steps the schedule falls at every step, across the resume too (the
+    # logged lr once stayed at the checkpoint's while training used the scheduled one).
+    lrs = {m.step: m.value for m in e2e.client.get_metric_history(continued.info.run_id, "lr")}
+    assert all(lrs[step + 1] < lrs[step] for step in range(2, 12)), lrs
 
 
 def test_copy_project_leaves_out_local_config(tmp_path: Path) -> None:

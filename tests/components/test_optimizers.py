@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 from train.conftest import make_config
 
+from titan_kedro.components.lr_schedulers import build_lr_schedulers
 from titan_kedro.components.optimizers import OptimizersContainer, build_optimizers
 
 
@@ -103,6 +105,36 @@ def test_state_dict_round_trip_continues_identically() -> None:
     train(b, opt_b, 2)
     for pa, pb in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, rtol=0, atol=0)
+
+
+def test_after_loading_a_state_the_groups_read_here_are_the_ones_the_schedule_moves() -> None:
+    """The step logs ``param_groups[0]["lr"]``: after a resume it must follow the schedule
+    (it once stayed at the checkpoint's lr while training used the scheduled one)."""
+    cfg = make_config(training={"steps": 8}, lr_scheduler={"warmup_steps": 1})
+    x = torch.tensor([[1, 2, 3, 4]])
+    model = Small()
+    opt = build_optimizers([model], cfg)
+    schedule = build_lr_schedulers(opt, cfg)
+    seen = []
+    for _ in range(6):
+        opt.zero_grad()
+        model(x).backward()
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        schedule.step()
+        if len(seen) == 3:
+            saved_opt, saved_schedule = copy.deepcopy(opt.state_dict()), schedule.state_dict()
+    resumed = build_optimizers([model], cfg)
+    resumed_schedule = build_lr_schedulers(resumed, cfg)
+    resumed.load_state_dict(saved_opt)
+    resumed_schedule.load_state_dict(saved_schedule)
+    after = []
+    for _ in range(3):
+        after.append(resumed.param_groups[0]["lr"])
+        assert after[-1] == resumed.optimizers[0].param_groups[0]["lr"]
+        resumed_schedule.step()
+    assert len(set(seen[3:])) == 3  # decaying: a stuck lr would fail below
+    assert after == pytest.approx(seen[3:], rel=1e-12)
 
 
 def test_nothing_to_train_fails_clearly() -> None:

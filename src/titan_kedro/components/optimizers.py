@@ -78,7 +78,8 @@ class OptimizersContainer(torch.optim.Optimizer, Stateful):
     """One optimizer per model part, stepped, zeroed and checkpointed together.
 
     ``param_groups`` is the concatenation of the parts' groups (the same dicts), so
-    reading or setting a group's ``lr`` here acts on the real optimizers.
+    reading or setting a group's ``lr`` here acts on the real optimizers. Loading a state
+    dict gives each optimizer new group dicts, so ``load_state_dict`` takes them again.
     """
 
     def __init__(self, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]):
@@ -114,6 +115,9 @@ class OptimizersContainer(torch.optim.Optimizer, Stateful):
         """Load the state written by ``state_dict`` into every part's optimizer."""
         for model, opt in zip(self.model_parts, self.optimizers):
             set_optimizer_state_dict(model, opt, optim_state_dict=state_dict, options=_FLAT)
+        # torch.optim.Optimizer.load_state_dict replaced the group dicts: the old ones would
+        # keep the lr of the checkpoint while the schedulers move the new ones.
+        self.param_groups = [g for opt in self.optimizers for g in opt.param_groups]
 
 
 def build_optimizers(model_parts: Iterable[nn.Module], cfg: Any) -> OptimizersContainer:
