@@ -157,8 +157,8 @@ def rerun_here(
     """Train the resolved job a node wrote (its ``job_config.yaml``) again on this machine
     with ``sections`` merged over it, writing only under ``root`` and logging nowhere;
     returns its ``{step: loss}``. It trains in this process (``nproc`` 1) or on ``nproc``
-    forked gloo ranks (``train_on_ranks``), or, given ``env`` (merged over this process's environment), by
-    plain torchrun."""
+    forked gloo ranks (``train_on_ranks``), or, given ``env`` (merged over this process's
+    environment), by plain torchrun."""
     raw = yaml.safe_load(job_config.read_text(encoding="utf-8"))
     raw["job"].update(dump_folder=str(root / "job"), run_id=None)
     raw["launch"].update(scheduler="local", nnodes=1, log_dir=str(root / "logs"))
