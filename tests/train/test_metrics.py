@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,34 @@ def test_mlflow_sink_needs_a_run_id(monkeypatch: pytest.MonkeyPatch) -> None:
     assert MlflowMetricsSink.from_env() is None
     monkeypatch.setenv("MLFLOW_RUN_ID", "abc")
     assert MlflowMetricsSink.from_env(enable=False) is None
+
+
+SINK_SCRIPT = """
+import sys
+from titan_kedro.tracking.mlflow_logger import MlflowMetricsSink
+
+sink = MlflowMetricsSink(sys.argv[1], sys.argv[2])
+print("mlflow" in sys.modules)  # a rank that never logs never pays for MLflow
+sink.log({"loss": 2.5, "note": "text"}, step=3)
+print("mlflow" in sys.modules)
+"""
+
+
+def test_the_sink_opens_mlflow_at_its_first_log_and_logs_into_the_run(tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+    from mlflow_store import migrated_store
+
+    uri = migrated_store(tmp_path / "mlflow.db")
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("sink"))
+    proc = subprocess.run(
+        [sys.executable, "-c", SINK_SCRIPT, run.info.run_id, uri],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["False", "True"]
+    (point,) = client.get_metric_history(run.info.run_id, "loss")
+    assert (point.step, point.value) == (3, 2.5)
 
 
 def test_matmul_rate_is_positive() -> None:

@@ -26,11 +26,21 @@ class MlflowMetricsSink:
     """Logs numeric metrics to one existing MLflow run; logging errors never stop training."""
 
     def __init__(self, run_id: str, tracking_uri: str | None = None):
-        from mlflow.tracking import MlflowClient
-
         self.run_id = run_id
-        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self.tracking_uri = tracking_uri
+        self._client: Any = None
         self._warned = False
+
+    @property
+    def client(self) -> Any:
+        """The ``MlflowClient``, made at the first log: importing MLflow and opening its
+        store costs a worker about 2 CPU-s, which a rank that never logs (the replica
+        groups other than the leader) should not pay."""
+        if self._client is None:
+            from mlflow.tracking import MlflowClient
+
+            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        return self._client
 
     @classmethod
     def from_env(cls, enable: bool = True) -> MlflowMetricsSink | None:
