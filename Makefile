@@ -28,10 +28,13 @@ run: install
 # TEST_WORKERS pytest-xdist workers share the machine: most tests wait on other processes
 # (torchrun start-up, Slurm, servers), so two workers keep 2 cores busy. A module stays on
 # one worker, and the Slurm tests on one (tests/conftest.py).
+# The suite starts a few hundred Python processes that import the project, and each xdist
+# worker collects (and pytest rewrites) every test module: bytecode caches stay on for it
+# even where the environment turns them off (PYTHONDONTWRITEBYTECODE; __pycache__ is ignored).
 TEST_WORKERS ?= 2
 test: install
 	$(BIN)/ruff check src tests benchmarks examples
-	TITAN_TEST_PYTHON=$(BIN)/python tests/services.sh $(BIN)/python -m pytest \
+	PYTHONDONTWRITEBYTECODE= TITAN_TEST_PYTHON=$(BIN)/python tests/services.sh $(BIN)/python -m pytest \
 		-n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 lint: install
