@@ -3,7 +3,9 @@
 The run happens once, in a temporary copy of the project (pyproject.toml, conf/, empty
 data/ and src/; the package itself is the installed one), so it never touches the
 repository's data/ or mlflow.db. Every test below reads that one run (kedro-viz builds
-in that project too: its previews need the run's outputs).
+in that project too: its previews need the run's outputs), except the interrupted and
+continued pair: two more runs of the training pipelines in that project, whose checkpoints
+go to the S3 test server (``tests/storage_fixtures.py``), so continuing reads them there.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from tests.config.field_reads import (
     recording_env,
     unread_fields,
 )
+from tests.storage_fixtures import S3Bucket
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "s3cr3t-e2e-7f3a9c"
@@ -389,21 +392,30 @@ class Interrupted:
     run: Run
     """The second run of the project: rank 1 exits at step 5, checkpoints every 3 steps."""
     output: str
+    bucket: S3Bucket
+    checkpoints: str
+    """``checkpoint.folder`` of this run and its continuation: ``s3://<bucket>/checkpoints``."""
+
+    def checkpoint(self, run: Run, step: int) -> str:
+        """The run's ``step-<n>`` folder on the bucket, as the filesystem names it."""
+        return f"{self.bucket.name}/checkpoints/{run.info.run_id}/step-{step}"
 
 
 @pytest.fixture(scope="module")
-def interrupted(e2e: E2ERun) -> Interrupted:
-    """A second ``kedro run`` in the e2e project, whose rank 1 exits at step 5."""
+def interrupted(e2e: E2ERun, s3_module_bucket: S3Bucket) -> Interrupted:
+    """A second ``kedro run`` in the e2e project, checkpointing to S3, whose rank 1 exits
+    at step 5."""
     crash = {
         "TITAN_KEDRO_TEST_HOOKS": "1",
         "TITAN_KEDRO_CRASH_AT_STEP": "5",
         "TITAN_KEDRO_CRASH_RANK": "1",
     }
+    checkpoints = f"{s3_module_bucket.uri}/checkpoints"
     failed = kedro_run(
         e2e.project,
         *TRAIN_ONLY,
         "--params",
-        f"checkpoint.interval=3,{SMALL_MODEL}",
+        f"checkpoint.interval=3,checkpoint.folder={checkpoints},{SMALL_MODEL}",
         extra_env=crash,
     )
     output = failed.stdout + failed.stderr
@@ -422,7 +434,7 @@ def interrupted(e2e: E2ERun) -> Interrupted:
         [(r.info.run_id, r.info.status, r.info.start_time) for r in runs],
         output[-3000:],
     )
-    return Interrupted(runs[1], output)
+    return Interrupted(runs[1], output, s3_module_bucket, checkpoints)
 
 
 @pytest.mark.slow
@@ -435,7 +447,7 @@ def test_a_second_kedro_run_is_a_new_run_that_trains_from_step_1(
     assert steps[:4] == [1, 2, 3, 4], steps  # from step 1, not from the first run's step 12
     assert "resumed from" not in interrupted.output, interrupted.output[-4000:]
     # Each run writes under its own run id; the first run's checkpoint is untouched.
-    assert (checkpoint_of(e2e.project, second, 3) / "metadata.json").is_file()
+    assert interrupted.bucket.fs().isfile(f"{interrupted.checkpoint(second, 3)}/metadata.json")
     assert (checkpoint_of(e2e.project, first, 12) / "metadata.json").is_file()
 
 
@@ -445,12 +457,13 @@ def test_the_interrupted_run_continues_on_two_torchx_agents_into_its_mlflow_run(
 ) -> None:
     """Continued with ``launch.scheduler=local_cwd``: two torchrun agents (2 nodes × 1
     process, one CPU thread each like the 1 × 2 run) meet at a c10d rendezvous, reload the
-    1 × 2 checkpoint of step 3 and log the uninterrupted run's losses into the same run."""
+    1 × 2 checkpoint of step 3 from S3 and log the uninterrupted run's losses into the same
+    run."""
     experiment = e2e.client.get_experiment_by_name("titan_kedro")
     two_agents = "launch.scheduler=local_cwd,launch.nnodes=2,launch.nproc_per_node=1"
     params = (
-        f"checkpoint.resume=latest,checkpoint.interval=3,{two_agents},training.num_threads=1,"
-        + SMALL_MODEL
+        f"checkpoint.resume=latest,checkpoint.interval=3,checkpoint.folder="
+        f"{interrupted.checkpoints},{two_agents},training.num_threads=1,{SMALL_MODEL}"
     )
     proc = kedro_run(e2e.project, *TRAIN_ONLY, "--params", params)
     output = proc.stdout + proc.stderr
@@ -458,6 +471,8 @@ def test_the_interrupted_run_continues_on_two_torchx_agents_into_its_mlflow_run(
     replicas = sorted((e2e.project / "data/07_model_output/logs/torchx").glob("*/*/train/*"))
     assert [p.name for p in replicas] == ["0", "1"], replicas  # one torchrun agent per node
     assert "world 2 (cpu)" in output  # the agents formed one group
+    run_id = interrupted.run.info.run_id
+    assert f"resumed from {interrupted.checkpoints}/{run_id}/step-3 at step 3" in output
     runs = e2e.client.search_runs([experiment.experiment_id], order_by=["start_time ASC"])
     assert len(runs) == 2, "continuing must reopen the interrupted MLflow run, not start one"
     continued = e2e.client.get_run(interrupted.run.info.run_id)
@@ -477,7 +492,9 @@ def test_the_interrupted_run_continues_on_two_torchx_agents_into_its_mlflow_run(
     print(f"max |loss(continued on 2x1) - loss(1x2)| over 12 steps: {worst:.2e}")
     for m in history:
         assert m.value == pytest.approx(reference[m.step], abs=1e-6), m.step
-    assert checkpoint_of(e2e.project, interrupted.run, 12).is_dir()
+    assert interrupted.bucket.fs().isfile(
+        f"{interrupted.checkpoint(interrupted.run, 12)}/metadata.json"
+    )
     # After 2 warmup steps the schedule falls at every step, across the resume too (the
     # logged lr once stayed at the checkpoint's while training used the scheduled one).
     lrs = {m.step: m.value for m in e2e.client.get_metric_history(continued.info.run_id, "lr")}

@@ -1,10 +1,11 @@
-"""``kedro run`` with every data path on the S3 test server: stopped at step 4, continued.
+"""``kedro run`` with every data path on the S3 test server.
 
 One project copy reads C4 shards from ``s3://<bucket>/c4/``, writes its tokens to
 ``s3://<bucket>/tokens/``, checkpoints to ``s3://<bucket>/checkpoints/`` and exports to
-``s3://<bucket>/hf/``; the key comes from the environment, as the README says. The first run
-stops at step 4, the second continues with ``checkpoint.resume=latest``; the losses equal
-those of the same job trained uninterrupted on local disk (``rerun_here``).
+``s3://<bucket>/hf/``; the key comes from the environment, as the README says. Its losses
+equal those of the same job trained on local disk (``rerun_here``). A run stopped and
+continued from checkpoints on S3 through ``kedro run`` is ``test_end_to_end.py``'s
+interrupted and continued pair, whose checkpoints are on this server.
 """
 
 from __future__ import annotations
@@ -67,20 +68,17 @@ def _s3_project(root: Path, uri: str) -> Path:
 
 @dataclass
 class S3Run:
-    """The project on the bucket and its first (stopped) run."""
+    """The project on the bucket and its run."""
 
     bucket: S3Bucket
     project: Path
     root: Path
-    stopped: subprocess.CompletedProcess[str]
+    proc: subprocess.CompletedProcess[str]
 
 
 @pytest.fixture(scope="module")
-def stopped(
-    s3_module_bucket: S3Bucket, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[S3Run]:
-    """The full pipeline on the bucket, stopped at step 4 (each fixture is one ``kedro run``,
-    so no single test carries both)."""
+def s3_run(s3_module_bucket: S3Bucket, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Run]:
+    """The full pipeline on the bucket: C4 to tokens, 6 steps, checkpoints, export."""
     root = tmp_path_factory.mktemp("s3_run")
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv(CACHE_ENV, str(root / "cache"))
@@ -89,60 +87,44 @@ def stopped(
             shard = write_c4_shard(root / "c4" / f"c4-train.0000{i}-of-01024.json.gz", 40, seed=i)
             fs.put_file(str(shard), f"{bucket}/c4/{shard.name}")
         project = _s3_project(root / "project", uri)
-        crash = {"TITAN_KEDRO_TEST_HOOKS": "1", "TITAN_KEDRO_CRASH_AT_STEP": "4"}
         # The catalog's c4_raw reads data.raw_dir from the command line (README).
-        run = kedro_run(project, "--params", f"data.raw_dir={uri}/c4", extra_env=crash)
-        yield S3Run(s3_module_bucket, project, root, run)
+        proc = kedro_run(project, "--params", f"data.raw_dir={uri}/c4")
+        yield S3Run(s3_module_bucket, project, root, proc)
 
 
-@pytest.fixture(scope="module")
-def continued(stopped: S3Run) -> subprocess.CompletedProcess[str]:
-    """The stopped run continued with ``checkpoint.resume=latest``, through the export."""
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setenv(CACHE_ENV, str(stopped.root / "cache"))
-        return kedro_run(
-            stopped.project,
-            "--pipelines", "training,evaluation,reporting,export_hf",
-            "--params", f"data.raw_dir={stopped.bucket.uri}/c4,checkpoint.resume=latest",
-        )  # fmt: skip
-
-
-def _the_run(stopped: S3Run) -> Run:
-    client = MlflowClient(f"sqlite:///{stopped.project / 'mlflow.db'}")
+def _the_run(s3: S3Run) -> Run:
+    client = MlflowClient(f"sqlite:///{s3.project / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("titan_kedro").experiment_id])
     return run
 
 
-def test_the_first_run_reads_c4_from_s3_and_stops_at_step_4(stopped: S3Run) -> None:
-    output = stopped.stopped.stdout + stopped.stopped.stderr
-    assert stopped.stopped.returncode != 0 and "exits at step 4" in output, output[-6000:]
-    fs, bucket = stopped.bucket.fs(), stopped.bucket.name
+def test_the_run_reads_c4_from_s3_and_writes_tokens_and_checkpoints_there(s3_run: S3Run) -> None:
+    output = s3_run.proc.stdout + s3_run.proc.stderr
+    assert s3_run.proc.returncode == 0, output[-6000:]
+    fs, bucket = s3_run.bucket.fs(), s3_run.bucket.name
     assert fs.isfile(f"{bucket}/tokens/train.bin") and fs.isfile(f"{bucket}/tokens/metadata.json")
-
-
-def test_the_continued_run_resumes_from_s3_and_trains_like_local_disk(
-    stopped: S3Run, continued: subprocess.CompletedProcess[str]
-) -> None:
-    output = continued.stdout + continued.stderr
-    assert continued.returncode == 0, output[-6000:]
-    fs, bucket, uri = stopped.bucket.fs(), stopped.bucket.name, stopped.bucket.uri
-    run = _the_run(stopped)
-    assert run.info.status == "FINISHED"  # continuing reopened the stopped run
-    assert f"resumed from {uri}/checkpoints/{run.info.run_id}/step-3 at step 3" in output
+    run = _the_run(s3_run)
+    assert run.info.status == "FINISHED"
+    saved = fs.ls(f"{bucket}/checkpoints/{run.info.run_id}", detail=False)
+    assert sorted(path.rsplit("/", 1)[1] for path in saved) == ["step-3", "step-6"]
     assert fs.isfile(f"{bucket}/checkpoints/{run.info.run_id}/step-6/metadata.json")
 
-    # Steps 1-3 logged before the stop, 4-6 after; the same job uninterrupted on local disk.
-    tokens = stopped.root / "tokens"
+
+def test_the_run_trains_like_the_same_job_on_local_disk(s3_run: S3Run) -> None:
+    assert s3_run.proc.returncode == 0, (s3_run.proc.stdout + s3_run.proc.stderr)[-6000:]
+    fs, bucket = s3_run.bucket.fs(), s3_run.bucket.name
+    run = _the_run(s3_run)
+    tokens = s3_run.root / "tokens"
     fs.get(f"{bucket}/tokens/", str(tokens), recursive=True)
-    job_config = node_job_config(stopped.project / "data/07_model_output/job", run.info.run_id)
+    job_config = node_job_config(s3_run.project / "data/07_model_output/job", run.info.run_id)
     reference = rerun_here(
         job_config,
-        stopped.root / "local",
+        s3_run.root / "local",
         nproc=1,
         data={"token_dir": str(tokens)},
         checkpoint={"interval": 100},
     )
-    client = MlflowClient(f"sqlite:///{stopped.project / 'mlflow.db'}")
+    client = MlflowClient(f"sqlite:///{s3_run.project / 'mlflow.db'}")
     losses = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
     assert sorted(losses) == sorted(reference) == [1, 2, 3, 4, 5, 6]
     assert len({round(v, 4) for v in reference.values()}) == 6  # the losses really change
@@ -150,23 +132,20 @@ def test_the_continued_run_resumes_from_s3_and_trains_like_local_disk(
         assert value == pytest.approx(reference[step], abs=1e-6), step
 
 
-def test_the_export_lands_whole_on_s3_and_no_file_or_object_holds_the_key(
-    stopped: S3Run, continued: subprocess.CompletedProcess[str]
-) -> None:
-    assert continued.returncode == 0, (continued.stdout + continued.stderr)[-6000:]
-    fs, bucket = stopped.bucket.fs(), stopped.bucket.name
+def test_the_export_lands_whole_on_s3_and_no_file_or_object_holds_the_key(s3_run: S3Run) -> None:
+    assert s3_run.proc.returncode == 0, (s3_run.proc.stdout + s3_run.proc.stderr)[-6000:]
+    fs, bucket = s3_run.bucket.fs(), s3_run.bucket.name
     marker = json.loads(fs.cat_file(f"{bucket}/hf/{MARKER}"))
     assert marker["complete"] and {"config.json", "model.safetensors"} <= set(marker["files"])
     assert set(fs.ls(f"{bucket}/hf", detail=False)) == {
         f"{bucket}/hf/{name}" for name in [*marker["files"], MARKER]
     }
 
-    secret = stopped.bucket.server.secret
-    outputs = [stopped.stopped.stdout, stopped.stopped.stderr, continued.stdout, continued.stderr]
-    assert secret not in "".join(outputs)
-    written = [p for p in stopped.project.rglob("*") if p.is_file()]
+    secret = s3_run.bucket.server.secret
+    assert secret not in s3_run.proc.stdout + s3_run.proc.stderr
+    written = [p for p in s3_run.project.rglob("*") if p.is_file()]
     assert len(written) > 20 and not [p for p in written if secret.encode() in p.read_bytes()]
-    run = _the_run(stopped)
+    run = _the_run(s3_run)
     fields = [*run.data.params.values(), *run.data.tags.values(), *run.data.params]
     assert not [f for f in fields if secret in f]
     objects = [k for k in fs.find(bucket) if secret.encode() in fs.cat_file(k)]
