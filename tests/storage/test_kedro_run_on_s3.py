@@ -2,8 +2,10 @@
 
 One project copy reads C4 shards from ``s3://<bucket>/c4/``, writes its tokens to
 ``s3://<bucket>/tokens/``, checkpoints to ``s3://<bucket>/checkpoints/`` and exports to
-``s3://<bucket>/hf/``; the key comes from the environment, as the README says. Its losses
-equal those of the same job trained on local disk (``rerun_here``). A run stopped and
+``s3://<bucket>/hf/``; the key comes from the environment, as the README says. It runs
+on 2 ranks with ``parallelism.layout=auto``: the plan's search picks the layout, the
+workers train with it and the model card holds the ranked table. Its losses equal those
+of the same job trained on local disk (``rerun_here``). A run stopped and
 continued from checkpoints on S3 through ``kedro run`` is ``test_end_to_end.py``'s
 interrupted and continued pair, whose checkpoints are on this server.
 """
@@ -35,8 +37,8 @@ MODEL = {**{k: v for k, v in TINY_DEEPSEEK.items() if k != "vocab_size"}, "dim":
 PARAMS = {
     "model": {"name": "deepseek_v2", "flavor": "debugmodel", "overrides": MODEL},
     "training": {"steps": 6, "seq_len": 32, "local_batch_size": 2, "num_threads": 1},
-    "parallelism": {"expert_parallel_degree": 1},
-    "launch": {"nproc_per_node": 1},
+    "parallelism": {"layout": "auto"},
+    "launch": {"nproc_per_node": 2},
     "checkpoint": {"interval": 3},
     "validation": {"freq": 0},
     "evaluation": {"batches": 1, "num_prompts": 1, "prompt_tokens": 4, "max_new_tokens": 2},
@@ -78,7 +80,8 @@ class S3Run:
 
 @pytest.fixture(scope="module")
 def s3_run(s3_module_bucket: S3Bucket, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Run]:
-    """The full pipeline on the bucket: C4 to tokens, 6 steps, checkpoints, export."""
+    """The full pipeline on the bucket (C4 to tokens, 6 steps, checkpoints, export) on 2
+    ranks in the layout the plan's search picks."""
     root = tmp_path_factory.mktemp("s3_run")
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv(CACHE_ENV, str(root / "cache"))
@@ -120,7 +123,7 @@ def test_the_run_trains_like_the_same_job_on_local_disk(s3_run: S3Run) -> None:
     reference = rerun_here(
         job_config,
         s3_run.root / "local",
-        nproc=1,
+        nproc=2,  # in the layout the search picked (the node's job config holds it)
         data={"token_dir": str(tokens)},
         checkpoint={"interval": 100},
     )
@@ -130,6 +133,30 @@ def test_the_run_trains_like_the_same_job_on_local_disk(s3_run: S3Run) -> None:
     assert len({round(v, 4) for v in reference.values()}) == 6  # the losses really change
     for step, value in losses.items():
         assert value == pytest.approx(reference[step], abs=1e-6), step
+
+
+def test_layout_auto_picks_a_fitting_layout_trains_with_it_and_the_card_shows_the_table(
+    s3_run: S3Run,
+) -> None:
+    assert s3_run.proc.returncode == 0, (s3_run.proc.stdout + s3_run.proc.stderr)[-6000:]
+    data = s3_run.project / "data"
+    card = json.loads((data / "06_models" / "model_spec.json").read_text())
+    search = card["layout_search"]
+    assert search["world_size"] == 2 and search["measured"] >= 2
+    chosen = [row for row in search["rows"] if row.get("chosen")]
+    assert len(chosen) == 1 and chosen[0]["rank"] == 1 and chosen[0]["fits"]
+    degrees = chosen[0]["degrees"]
+    assert degrees["pp"] * degrees["dp_replicate"] * degrees["dp_shard"] * degrees["tp"] == 2
+    # The card's plan is the chosen layout's, and so is what the workers were given.
+    assert card["plan"]["layout"]["ep"] == degrees["ep"]
+    assert card["plan"]["layout"]["dp_shard"] == degrees["dp_shard"]
+    run_id = _the_run(s3_run).info.run_id
+    config = yaml.safe_load(node_job_config(data / "07_model_output/job", run_id).read_text())
+    parallelism = config["parallelism"]
+    assert parallelism["expert_parallel_degree"] == degrees["ep"]
+    assert parallelism["data_parallel_shard_degree"] == degrees["dp_shard"]
+    assert parallelism["layout"] == "auto"
+    assert config["launch"]["nproc_per_node"] == 2
 
 
 def test_the_export_lands_whole_on_s3_and_no_file_or_object_holds_the_key(s3_run: S3Run) -> None:
