@@ -7,10 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-import mlflow
 import pytest
-from mlflow.tracking import MlflowClient
-from mlflow_store import migrated_store
 from train.helpers import REPO, tiny_job, write_token_dir
 
 from titan_kedro.data.vocab import check_vocab_fits
@@ -66,37 +63,6 @@ def test_another_models_tokenizer_is_caught() -> None:
     v2_tokens = {"vocab_size": v2_vocab, "tokenizer": {"name": "deepseek-ai/DeepSeek-V2-Lite"}}
     with pytest.raises(ValueError, match=r"DeepSeek-V2-Lite.*deepseek-ai/DeepSeek-V3"):
         check_vocab_fits(v2_tokens, v3_model)
-
-
-@pytest.mark.slow
-def test_node_trains_on_two_processes_into_the_active_mlflow_run(tmp_path: Path) -> None:
-    tokens = write_token_dir(tmp_path / "tokens")
-    params = tiny_job(
-        tmp_path,
-        tokens,
-        training={"steps": 4},
-        launch={"nproc_per_node": 2},
-        metrics={"enable_mlflow": True, "peak_tflops": None},
-        checkpoint={"interval": 2},
-    )
-    mlflow.set_tracking_uri(migrated_store(tmp_path / "mlflow.db"))
-    try:
-        with mlflow.start_run() as run:
-            summary = train_model({"vocab_size": 512}, {}, **params)
-    finally:
-        mlflow.set_tracking_uri(None)
-    assert summary["final_step"] == 4 and summary["tokens_seen"] == 4 * 2 * 2 * 32
-    assert summary["checkpoint_dir"].endswith("step-4")
-    folder = tmp_path / "job" / "runs" / run.info.run_id  # the run's own folder
-    written = json.loads((folder / "summary.json").read_text())
-    assert written == summary
-    assert (folder / "job_config.yaml").is_file()
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    for key in ("loss", "tps", "mfu_pct", "grad_norm", "lr", "memory_gib"):
-        history = client.get_metric_history(run.info.run_id, key)
-        assert sorted(m.step for m in history) == [1, 2, 3, 4], key
-    assert client.get_metric_history(run.info.run_id, "peak_tflops")[0].value > 0
-    assert len(client.search_runs([run.info.experiment_id])) == 1  # workers opened no run
 
 
 @pytest.mark.slow
