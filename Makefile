@@ -28,7 +28,7 @@ run: install
 # TEST_WORKERS pytest-xdist workers share the machine: most tests wait on other processes
 # (torchrun start-up, Slurm, servers), so two workers keep 2 cores busy. A module stays on
 # one worker, and the Slurm tests on one (tests/conftest.py).
-# The suite starts a few hundred Python processes that import the project, and each xdist
+# The suite starts over a hundred Python processes that import the project, and each xdist
 # worker collects (and pytest rewrites) every test module: bytecode caches stay on for it
 # even where the environment turns them off (PYTHONDONTWRITEBYTECODE; __pycache__ is ignored).
 TEST_WORKERS ?= 2
