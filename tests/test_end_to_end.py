@@ -405,6 +405,9 @@ class Interrupted:
     bucket: S3Bucket
     checkpoints: str
     """``checkpoint.folder`` of this run and its continuation: ``s3://<bucket>/checkpoints``."""
+    uninterrupted: dict[int, float]
+    """The same job uninterrupted (its 12 losses): one torchrun of 1 × 2 processes from the
+    run's own config. Trained here, so the continued test's 90 s hold its run alone."""
 
     def checkpoint(self, run: Run, step: int) -> str:
         """The run's ``step-<n>`` folder on the bucket, as the filesystem names it."""
@@ -444,7 +447,14 @@ def interrupted(e2e: E2ERun, s3_module_bucket: S3Bucket) -> Interrupted:
         [(r.info.run_id, r.info.status, r.info.start_time) for r in runs],
         output[-3000:],
     )
-    return Interrupted(runs[1], output, s3_module_bucket, checkpoints)
+    reference = rerun_here(
+        node_job_config(e2e.project / "data/07_model_output/job", runs[1].info.run_id),
+        e2e.project.parent / "uninterrupted",
+        nproc=2,
+        data={"token_dir": str(e2e.project / "data/05_model_input/tokens")},  # not cwd's
+        checkpoint={"enable": False},  # only its losses are compared
+    )
+    return Interrupted(runs[1], output, s3_module_bucket, checkpoints, reference)
 
 
 @pytest.mark.slow
@@ -489,14 +499,7 @@ def test_the_interrupted_run_continues_on_two_torchx_agents_into_its_mlflow_run(
     assert continued.info.status == "FINISHED"
     assert "checkpoint.resume: never -> latest" in continued.data.tags["titan_kedro.changed_params"]
     history = e2e.client.get_metric_history(interrupted.run.info.run_id, "loss")
-    # The same job uninterrupted: one torchrun of 1 × 2 processes from the run's own config.
-    reference = rerun_here(
-        node_job_config(e2e.project / "data/07_model_output/job", interrupted.run.info.run_id),
-        e2e.project.parent / "uninterrupted",
-        nproc=2,
-        data={"token_dir": str(e2e.project / "data/05_model_input/tokens")},  # not cwd's
-        checkpoint={"enable": False},  # only its losses are compared
-    )
+    reference = interrupted.uninterrupted
     assert {m.step for m in history} == set(reference) == set(range(1, 13))
     # Steps 1-4 were logged before the crash on 1 × 2, 4-12 after continuing on 2 × 1.
     worst = max(abs(m.value - reference[m.step]) for m in history)
