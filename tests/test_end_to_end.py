@@ -406,8 +406,8 @@ class Interrupted:
     checkpoints: str
     """``checkpoint.folder`` of this run and its continuation: ``s3://<bucket>/checkpoints``."""
     uninterrupted: dict[int, float]
-    """The same job uninterrupted (its 12 losses): one torchrun of 1 × 2 processes from the
-    run's own config. Trained here, so the continued test's 90 s hold its run alone."""
+    """The same job uninterrupted (its 12 losses): 1 × 2 forked gloo ranks (``rerun_here``)
+    from the run's own config. Trained here, so the continued test's 90 s hold its run alone."""
 
     def checkpoint(self, run: Run, step: int) -> str:
         """The run's ``step-<n>`` folder on the bucket, as the filesystem names it."""

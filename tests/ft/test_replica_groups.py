@@ -228,7 +228,7 @@ def _interrupt(
 
 
 def test_ctrl_c_stops_every_local_cwd_group_and_the_lighthouses(tmp_path: Path) -> None:
-    """Through TorchX's ``local_cwd`` (the ``local`` groups: the whole-job stop below)."""
+    """Through TorchX's ``local_cwd``; Ctrl-C to ``local`` groups is the stuck-job test below."""
     raw = tiny_job(tmp_path, write_token_dir(tmp_path / "tokens"), training={"steps": 100_000},
                    fault_tolerance=FT_ON)  # fmt: skip
     raw["launch"]["scheduler"] = "local_cwd"
