@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -41,21 +40,12 @@ def kedro_training(
     return proc
 
 
-def latest_run_metrics(project: Path, keys: tuple[str, ...]) -> dict[str, dict[int, float]]:
-    """``{key: {step: value}}`` of the newest MLflow run in the project's ``mlflow.db``."""
+def latest_run(project: Path) -> tuple[MlflowClient, str]:
+    """A client of the project's ``mlflow.db`` and the id of its newest run."""
     client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
     experiments = [e.experiment_id for e in client.search_experiments()]
     run = client.search_runs(experiments, order_by=["attributes.start_time DESC"])[0]
-    return {
-        key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
-        for key in keys
-    }
-
-
-def summary(project: Path) -> dict[str, Any]:
-    """The pipeline's ``training_summary`` output."""
-    path = project / "data" / "07_model_output" / "training_summary.json"
-    return json.loads(path.read_text(encoding="utf-8"))
+    return client, run.info.run_id
 
 
 def descendants_alive(pids: list[int]) -> list[int]:

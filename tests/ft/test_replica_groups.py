@@ -1,11 +1,11 @@
 """Fault-tolerant replica groups on CPU: 2 groups × 1 process, a tiny DeepSeek (MoE) model.
 
-- Without faults, ``kedro run`` with G = 2 logs the losses of HSDP with
-  ``data_parallel_replicate_degree=2`` (one torchrun, 2 ranks) step by step.
-- Group 1 SIGKILLed at step 5 of 12: group 0 keeps stepping, group 1 is restarted, heals
-  from group 0 and both finish; their states end bitwise equal and MLflow shows
-  ``ft/participants`` 2 → 1 → 2 and all 12 losses. The same through TorchX (``local_cwd``),
-  where the group's own torchrun restarts it.
+- ``kedro run`` with G = 2, group 1 SIGKILLed at step 5 of 12: group 0 keeps stepping,
+  group 1 is restarted, heals from group 0 and both finish; their states end bitwise equal
+  and MLflow shows ``ft/participants`` 2 → 1 → 2 and all 12 losses. Steps 1–4, before the
+  fault, log the losses of HSDP with ``data_parallel_replicate_degree=2`` (one torchrun,
+  2 ranks). The same fault through TorchX (``local_cwd``), where the group's own torchrun
+  restarts it.
 - The lighthouses and every group process are gone after the run and after Ctrl-C.
 - A whole job stuck at step 6 (rank 0 of every group hangs) ends on Ctrl-C, and resumes
   from the leader's DCP checkpoint with an uninterrupted run's losses.
@@ -41,7 +41,7 @@ from train.helpers import (
     write_token_dir,
 )
 
-from ft.ft_helpers import descendants_alive, ft_project, kedro_training, latest_run_metrics
+from ft.ft_helpers import descendants_alive, ft_project, kedro_training, latest_run
 from titan_kedro.config import dump_job_config
 from titan_kedro.launch.replica_groups import ReplicaGroupLauncher
 from titan_kedro.models.resolve import resolve_job_config
@@ -67,33 +67,84 @@ def _port_open(address: str) -> bool:
         return sock.connect_ex((host, int(port))) == 0
 
 
-def test_two_groups_train_like_hsdp_with_two_replicas_through_kedro_run(tmp_path: Path) -> None:
-    project = ft_project(tmp_path / "project", fault_tolerance={"replica_groups": 2})
-    kedro_training(project, "fault_tolerance.enable=true")
-    ft = latest_run_metrics(project, ("loss", "ft/participants", "ft/skipped_samples"))
+KILL_GROUP_1_AT_STEP_5 = {
+    "TITAN_KEDRO_TEST_HOOKS": "1",  # the crash, the delay, the digests
+    "TITAN_KEDRO_CRASH_AT_STEP": "5",
+    "TITAN_KEDRO_CRASH_GROUP": "1",
+    "TITAN_KEDRO_DEGRADED_STEP_DELAY_S": str(DEGRADED_DELAY_S),
+}
 
-    # The same resolved config (the node's job_config.yaml) as one torchrun of 2 HSDP ranks.
+
+def _assert_healed(console: str, client: MlflowClient, run_id: str, job: Path) -> dict[int, float]:
+    """Group 1 died at step 5, came back, healed from group 0, and both ended equal with
+    nothing left running (``job``: the dump folder); returns the run's ``{step: loss}``."""
+    assert "group 1 rank 0 SIGKILLs itself at step 5" in console
+    assert re.search(r"\[group 1\].*replica group 1 healed from a live peer at step \d+", console)
+
+    def history(key: str) -> dict[int, float]:
+        return {m.step: m.value for m in client.get_metric_history(run_id, key)}
+
+    losses, participants = history("loss"), history("ft/participants")
+    assert len(client.get_metric_history(run_id, "peak_tflops")) == 1  # one group logs
+    assert sorted(losses) == list(range(1, 13))
+    sequence = [participants[step] for step in sorted(participants)]
+    changes = [value for i, value in enumerate(sequence) if i == 0 or value != sequence[i - 1]]
+    assert changes == [2.0, 1.0, 2.0], sequence
+    assert participants[4] == 2.0 and participants[5] == 1.0 and sequence[-1] == 2.0
+    heals = history("ft/heal_s")
+    assert len(heals) == 1 and 0 < next(iter(heals.values())) < 60
+    degraded = sum(1 for value in sequence if value == 1.0)
+    skipped = history("ft/skipped_samples")
+    assert [skipped[step] for step in range(1, 5)] == [0.0] * 4
+    assert skipped[12] == degraded * 2  # one group × local batch 2 per degraded step
+    # Group 0 never waited longer than the heartbeat timeout + the test's delay + a step.
+    step_times = history("step_time_s")
+    assert max(step_times[s] for s in range(5, 13)) < 2.0 + DEGRADED_DELAY_S + 20.0
+
+    digests = {
+        path.name: json.loads(path.read_text()) for path in job.glob("ft/replica-*-rank-0.json")
+    }
+    assert set(digests) == {"replica-0-rank-0.json", "replica-1-rank-0.json"}
+    assert digests["replica-0-rank-0.json"] == digests["replica-1-rank-0.json"]
+    assert digests["replica-0-rank-0.json"]["step"] == 12
+
+    match = LIGHTHOUSE_LINE.search(console)  # the lighthouses stopped with the launch
+    assert match is not None
+    assert not _port_open(match.group(1)) and not _port_open(match.group(2))
+    return losses
+
+
+def test_a_killed_group_restarts_heals_and_ends_equal_through_kedro_run(tmp_path: Path) -> None:
+    """The ``local`` launcher restarts group 1's torchrun; before the fault the groups train
+    like HSDP with 2 replicas, from the node's own resolved config."""
+    project = ft_project(tmp_path / "project", fault_tolerance={"replica_groups": 2})
+    proc = kedro_training(project, "fault_tolerance.enable=true", extra_env=KILL_GROUP_1_AT_STEP_5)
+    console = proc.stdout + proc.stderr
+    assert "[group 1] launching (attempt 1)" in console
+    client, run_id = latest_run(project)
+    job = project / "data" / "07_model_output" / "job"
+    losses = _assert_healed(console, client, run_id, job)
+    left = [p.pid for p in psutil.process_iter(["cmdline"])
+            if any(str(project) in arg for arg in p.info["cmdline"] or [])]  # fmt: skip
+    assert descendants_alive(left) == []
+
     hsdp = rerun_here(
-        node_job_config(project / "data" / "07_model_output" / "job"),
+        node_job_config(job),
         tmp_path / "hsdp",
         nproc=2,
         fault_tolerance={"enable": False, "replica_groups": 1},
         parallelism={"data_parallel_replicate_degree": 2},
     )
-
-    assert sorted(ft["loss"]) == list(range(1, 13)) == sorted(hsdp)
-    for step, loss in hsdp.items():
-        assert abs(ft["loss"][step] - loss) <= 1e-5, (step, ft["loss"][step], loss)
-    assert set(ft["ft/participants"].values()) == {2.0}
-    assert set(ft["ft/skipped_samples"].values()) == {0.0}
+    assert sorted(hsdp) == list(range(1, 13))
+    for step in range(1, 5):
+        assert abs(losses[step] - hsdp[step]) <= 1e-5, (step, losses[step], hsdp[step])
 
 
-def _run_node_with_kill(
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
-    scheduler: str,
-) -> tuple[dict, str]:
+def test_a_killed_group_restarts_heals_and_ends_equal_through_torchx_local_cwd(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The group's own torchrun restarts its workers; TorchX sees one replica run through."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     params = tiny_job(
         tmp_path,
         write_token_dir(tmp_path / "tokens"),
@@ -104,11 +155,9 @@ def _run_node_with_kill(
         metrics={"enable_mlflow": True},
         fault_tolerance=FT_ON,
     )
-    params["launch"]["scheduler"] = scheduler
-    monkeypatch.setenv("TITAN_KEDRO_TEST_HOOKS", "1")  # the crash, the delay, the digests
-    monkeypatch.setenv("TITAN_KEDRO_CRASH_AT_STEP", "5")
-    monkeypatch.setenv("TITAN_KEDRO_CRASH_GROUP", "1")
-    monkeypatch.setenv("TITAN_KEDRO_DEGRADED_STEP_DELAY_S", str(DEGRADED_DELAY_S))
+    params["launch"]["scheduler"] = "local_cwd"
+    for name, value in KILL_GROUP_1_AT_STEP_5.items():
+        monkeypatch.setenv(name, value)
     mlflow.set_tracking_uri(migrated_store(tmp_path / "mlflow.db"))
     run = mlflow.start_run()
     try:
@@ -116,63 +165,14 @@ def _run_node_with_kill(
     finally:
         mlflow.end_run()
         mlflow.set_tracking_uri(None)
-    return {"summary": summary, "run_id": run.info.run_id}, capsys.readouterr().out
-
-
-@pytest.mark.parametrize("scheduler", ["local", "local_cwd"])
-def test_a_killed_group_restarts_heals_and_ends_equal(
-    scheduler: str,
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-    result, console = _run_node_with_kill(tmp_path, capsys, monkeypatch, scheduler)
-    assert result["summary"]["final_step"] == 12
-
-    assert "group 1 rank 0 SIGKILLs itself at step 5" in console
-    if scheduler == "local":  # the launcher restarts the group's torchrun
-        assert "[group 1] launching (attempt 1)" in console
-    else:  # the group's torchrun restarts its workers; TorchX sees one replica run through
-        restarted = tmp_path / "logs" / "replica-1"
-        assert sorted(p.name for p in restarted.glob("*/attempt_*")) == ["attempt_0", "attempt_1"]
-    assert re.search(r"\[group 1\].*replica group 1 healed from a live peer at step \d+", console)
-
+    console = capsys.readouterr().out
+    assert summary["final_step"] == 12
+    restarted = tmp_path / "logs" / "replica-1"
+    assert sorted(p.name for p in restarted.glob("*/attempt_*")) == ["attempt_0", "attempt_1"]
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-
-    def history(key: str) -> dict[int, float]:
-        return {m.step: m.value for m in client.get_metric_history(result["run_id"], key)}
-
-    losses, participants = history("loss"), history("ft/participants")
-    assert len(client.get_metric_history(result["run_id"], "peak_tflops")) == 1  # one group logs
-    assert sorted(losses) == list(range(1, 13))
-    sequence = [participants[step] for step in sorted(participants)]
-    changes = [value for i, value in enumerate(sequence) if i == 0 or value != sequence[i - 1]]
-    assert changes == [2.0, 1.0, 2.0], sequence
-    assert participants[4] == 2.0 and participants[5] == 1.0 and sequence[-1] == 2.0
-    heals = history("ft/heal_s")
-    assert len(heals) == 1 and 0 < next(iter(heals.values())) < 60
-    degraded = sum(1 for value in sequence if value == 1.0)
-    skipped = history("ft/skipped_samples")
-    assert skipped[12] == degraded * 2  # one group × local batch 2 per degraded step
-    # Group 0 never waited longer than the heartbeat timeout + the test's delay + a step.
-    step_times = history("step_time_s")
-    assert max(step_times[s] for s in range(5, 13)) < 2.0 + DEGRADED_DELAY_S + 20.0
-
-    digests = {
-        path.name: json.loads(path.read_text())
-        for path in (tmp_path / "job" / "ft").glob("replica-*-rank-0.json")
-    }
-    assert set(digests) == {"replica-0-rank-0.json", "replica-1-rank-0.json"}
-    assert digests["replica-0-rank-0.json"] == digests["replica-1-rank-0.json"]
-    assert digests["replica-0-rank-0.json"]["step"] == 12
-
-    # Nothing is left running: no group process, no lighthouse.
+    _assert_healed(console, client, run.info.run_id, tmp_path / "job")
     leftovers = {p.pid for p in psutil.Process().children(recursive=True)} - before
     assert descendants_alive(sorted(leftovers)) == []
-    match = LIGHTHOUSE_LINE.search(console)
-    assert match is not None
-    assert not _port_open(match.group(1)) and not _port_open(match.group(2))
 
 
 LAUNCHER = """
@@ -265,7 +265,7 @@ def test_a_job_stuck_at_step_6_stops_on_ctrl_c_and_resumes_from_the_leaders_chec
     resumed from ``step-4`` logs an uninterrupted run's losses."""
     write_token_dir(tmp_path / "tokens")
     # Uninterrupted: the same job as HSDP with 2 replicas, which 2 groups train like within
-    # 1e-5 (test_two_groups_train_like_hsdp_with_two_replicas_through_kedro_run).
+    # 1e-5 (the steps before a fault in test_a_killed_group_…_through_kedro_run).
     hsdp = _groups_job(tmp_path, "straight", {})
     hsdp["fault_tolerance"] = {"enable": False, "replica_groups": 1}
     hsdp["parallelism"] = {**hsdp.get("parallelism", {}), "data_parallel_replicate_degree": 2}
