@@ -127,3 +127,27 @@ def test_without_an_active_run_nothing_is_hidden(tracking_store: str) -> None:
 
     _call(_manager(hook, _Peek()), inputs)
     assert seen == [_inputs()]
+
+
+def test_params_the_run_holds_with_the_same_values_are_not_logged_again(
+    continued_run: str,
+) -> None:
+    """The run already holds them (``MlflowRunTagsHook`` logs every param in batches at the
+    start): kedro-mlflow would write each again, one call per key."""
+    hook = KeepLoggedParamsHook()
+    hook.before_pipeline_run({}, None, None)
+    inputs = {
+        "params:training": {"steps": 4, "seq_len": 32},
+        "params:checkpoint.resume": "never",
+    }
+    given = copy.deepcopy(inputs)
+    seen: list[dict[str, Any]] = []
+
+    class _Peek:
+        @hook_impl
+        def before_node_run(self, inputs: dict[str, Any]) -> None:
+            seen.append(copy.deepcopy(inputs))
+
+    _call(_manager(hook, _Peek()), inputs)
+    assert seen == [{"params:training": {"seq_len": 32}}]
+    assert inputs == given

@@ -1,13 +1,16 @@
-"""Kedro hook that lets kedro-mlflow log node parameters into a run that holds older values.
+"""Kedro hook that lets kedro-mlflow log only the node parameters its run lacks.
 
 kedro-mlflow logs every ``params:`` input of a node into the active run in its
-``before_node_run``, and MLflow refuses a param logged again with another value. A
-continued run may change ``training.steps``, the learning rate and ``checkpoint.resume``
-itself. This hook wraps the other ``before_node_run`` hooks (a pluggy wrapper, so nothing
-of kedro-mlflow is patched): while they run, the node's inputs lack the params the run
-already holds with another value, so the run keeps its first values (``ContinueRunHook``
-records the changes in a tag). The inputs are put back before the node runs, on every
-path, so the node itself sees every value as given.
+``before_node_run``, one ``log_param`` call per flattened key: about 500 calls in a default
+run, each a database write (or an HTTP request to a tracking server), although
+``MlflowRunTagsHook`` has already logged all of them in a few batches. MLflow also refuses a
+param logged again with another value, and a continued run may change ``training.steps``,
+the learning rate and ``checkpoint.resume`` itself. This hook wraps the other
+``before_node_run`` hooks (a pluggy wrapper, so nothing of kedro-mlflow is patched): while
+they run, the node's inputs lack every param the run already holds, so a continued run
+keeps its first values (``ContinueRunHook`` records the changes in a tag) and nothing is
+written twice. The inputs are put back before the node runs, on every path, so the node
+itself sees every value as given.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ PARAMS_PREFIX = "params:"
 
 
 class KeepLoggedParamsHook:
-    """Hides params the active run already holds with another value from param loggers."""
+    """Hides the params the active run already holds from the param loggers."""
 
     def __init__(self) -> None:
         self._run_id: str | None = None
@@ -41,14 +44,14 @@ class KeepLoggedParamsHook:
 
     @hook_impl(wrapper=True)
     def before_node_run(self, inputs: dict[str, Any]) -> Generator[None, Any, Any]:
-        hidden = self._hide_changed_params(inputs)
+        hidden = self._hide_logged_params(inputs)
         try:
             return (yield)
         finally:
             inputs.update(hidden)
 
-    def _hide_changed_params(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Remove changed params from ``inputs`` in place; returns the originals replaced."""
+    def _hide_logged_params(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Remove the params the run holds from ``inputs`` in place; returns the originals."""
         params = {
             key.removeprefix(PARAMS_PREFIX): value
             for key, value in inputs.items()
@@ -57,16 +60,18 @@ class KeepLoggedParamsHook:
         if self._run_id is None or not params:
             return {}
         logged = MlflowClient().get_run(self._run_id).data.params
-        changed = differences(logged, loggable_params(params)).keys()
+        given = loggable_params(params)
+        held = logged.keys() & given.keys()
         originals: dict[str, Any] = {}
         for name, value in params.items():
             key = PARAMS_PREFIX + name
             if isinstance(value, Mapping) and value:
-                kept = without_params(value, changed, name + ".")
+                kept = without_params(value, held, name + ".")
                 if kept != value:
                     originals[key], inputs[key] = value, kept
-            elif param_name(name) in changed:
+            elif param_name(name) in held:
                 originals[key] = inputs.pop(key)
-        if originals:
-            logger.debug("kept the logged values of %s in run %s", sorted(changed), self._run_id)
+        changed = list(differences(logged, given))
+        if changed:
+            logger.debug("kept the logged values of %s in run %s", changed, self._run_id)
         return originals
