@@ -4,7 +4,8 @@
   before anything runs; refuses a dry run whose pipeline reads the training summary.
 - ``continue_run.ContinueRunHook``: resolves ``checkpoint.resume`` once, reopens that
   MLflow run and hands nodes the concrete checkpoint.
-- ``logged_params.KeepLoggedParamsHook``: a continued run keeps its logged param values.
+- ``logged_params.KeepLoggedParamsHook``: kedro-mlflow logs only the params the run lacks
+  (a continued run keeps its logged values).
 - ``mlflow_run_tags.MlflowRunTagsHook``: tags, all params, provenance artifacts, lineage.
 - ``storage_credentials.StorageCredentialsHook``: ``credentials.yml``'s ``object_storage``
   entry as the AWS variables s3fs reads (the environment wins).

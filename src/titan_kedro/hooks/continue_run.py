@@ -110,7 +110,7 @@ class ContinueRunHook:
         """Give a node that reads ``params:checkpoint`` the resolved checkpoint folder."""
         if self.resume_point is None or CHECKPOINT_INPUT not in inputs:
             return None
-        # From the context, not ``inputs``: ``KeepLoggedParamsHook`` hides changed keys
+        # From the context, not ``inputs``: ``KeepLoggedParamsHook`` hides the logged keys
         # of ``inputs`` while the other hooks run.
         section = dict(self._context.params.get("checkpoint") or {})
         section["resume"] = str(self.resume_point.checkpoint)
