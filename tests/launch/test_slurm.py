@@ -91,9 +91,9 @@ class Server:
         return f"http://{auth}{HOST}:{self.port}"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """An MLflow server of ours: bound to 127.0.0.1, answering to this host's name."""
+def serve_mlflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """An MLflow server of ours: bound to 127.0.0.1, answering to this host's name (the
+    Slurm modules' ``server`` fixture)."""
     _require_cluster()
     root = tmp_path_factory.mktemp("mlflow_server") / "server"
     with mlflow_server(root, host_names=(HOST,)) as proc:
@@ -101,6 +101,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         assert line.strip().isdigit(), (root / "server.log").read_text()
         port = int(line)
         yield Server(port, MlflowClient(f"http://{HOST}:{port}"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """This module's MLflow server (``serve_mlflow``)."""
+    yield from serve_mlflow(tmp_path_factory)
 
 
 ENV = "slurmcheck"

@@ -43,16 +43,13 @@ from launch.slurm_nodes import (
     slurm_config,
     wait_until_not_running,
 )
-from mlflow.tracking import MlflowClient
-from mlflow_store import mlflow_server
 from test_slurm import (
-    HOST,
     PASSWORD,
     Server,
     _files_with,
     _queued,
-    _require_cluster,
     _state_environment,
+    serve_mlflow,
 )
 from test_torchx_launch import shared_job
 from train.helpers import TINY_DEEPSEEK, rerun_here, write_token_dir
@@ -83,13 +80,8 @@ HANGS = f"waits to be killed at step {FAULT_STEP}"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """An MLflow server of ours on 127.0.0.1, answering to this host's name (``test_slurm``)."""
-    _require_cluster()
-    root = tmp_path_factory.mktemp("mlflow_server") / "server"
-    with mlflow_server(root, host_names=(HOST,)) as proc:
-        line = proc.stdout.readline() if proc.stdout else ""
-        assert line.strip().isdigit(), (root / "server.log").read_text()
-        yield Server(int(line), MlflowClient(f"http://{HOST}:{int(line)}"))
+    """This module's MLflow server (``test_slurm.serve_mlflow``)."""
+    yield from serve_mlflow(tmp_path_factory)
 
 
 def _job(root: Path) -> dict[str, Any]:
