@@ -40,6 +40,17 @@ class _Fails:
         raise RuntimeError("a hook failed")
 
 
+class _Peek:
+    """Records what each ``before_node_run`` call sees of the node's inputs."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+
+    @hook_impl
+    def before_node_run(self, inputs: dict[str, Any]) -> None:
+        self.seen.append(copy.deepcopy(inputs))
+
+
 @pytest.fixture
 def continued_run(tracking_store: str) -> Iterator[str]:
     """An active run that already logged the first run's values."""
@@ -100,15 +111,10 @@ def test_the_inputs_are_restored_when_another_hook_fails(continued_run: str) -> 
     hook.before_pipeline_run({}, None, None)
     inputs = _inputs()
     given = copy.deepcopy(inputs)
-    seen: dict[str, Any] = {}
-
-    class _Peek:
-        @hook_impl
-        def before_node_run(self, inputs: dict[str, Any]) -> None:
-            seen.update(copy.deepcopy(inputs))
-
+    peek = _Peek()
     with pytest.raises(RuntimeError, match="a hook failed"):
-        _call(_manager(hook, _Fails(), _Peek()), inputs)  # the last registered runs first
+        _call(_manager(hook, _Fails(), peek), inputs)  # the last registered runs first
+    (seen,) = peek.seen
     assert seen["params:training"] == {"seq_len": 32}  # hidden while the hooks ran
     assert "params:checkpoint.resume" not in seen
     assert inputs == given
@@ -118,15 +124,9 @@ def test_without_an_active_run_nothing_is_hidden(tracking_store: str) -> None:
     hook = KeepLoggedParamsHook()
     hook.before_pipeline_run({}, None, None)
     inputs = _inputs()
-    seen: list[dict[str, Any]] = []
-
-    class _Peek:
-        @hook_impl
-        def before_node_run(self, inputs: dict[str, Any]) -> None:
-            seen.append(copy.deepcopy(inputs))
-
-    _call(_manager(hook, _Peek()), inputs)
-    assert seen == [_inputs()]
+    peek = _Peek()
+    _call(_manager(hook, peek), inputs)
+    assert peek.seen == [_inputs()]
 
 
 def test_params_the_run_holds_with_the_same_values_are_not_logged_again(
@@ -141,13 +141,7 @@ def test_params_the_run_holds_with_the_same_values_are_not_logged_again(
         "params:checkpoint.resume": "never",
     }
     given = copy.deepcopy(inputs)
-    seen: list[dict[str, Any]] = []
-
-    class _Peek:
-        @hook_impl
-        def before_node_run(self, inputs: dict[str, Any]) -> None:
-            seen.append(copy.deepcopy(inputs))
-
-    _call(_manager(hook, _Peek()), inputs)
-    assert seen == [{"params:training": {"seq_len": 32}}]
+    peek = _Peek()
+    _call(_manager(hook, peek), inputs)
+    assert peek.seen == [{"params:training": {"seq_len": 32}}]
     assert inputs == given
