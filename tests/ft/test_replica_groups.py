@@ -76,8 +76,8 @@ KILL_GROUP_1_AT_STEP_5 = {
 
 
 def _assert_healed(console: str, client: MlflowClient, run_id: str, job: Path) -> dict[int, float]:
-    """Group 1 died at step 5, came back, healed from group 0, and both ended equal with
-    nothing left running (``job``: the dump folder); returns the run's ``{step: loss}``."""
+    """Group 1 died at step 5, came back, healed from group 0, both ended equal and the
+    lighthouses stopped (``job``: the dump folder); returns the run's ``{step: loss}``."""
     assert "group 1 rank 0 SIGKILLs itself at step 5" in console
     assert re.search(r"\[group 1\].*replica group 1 healed from a live peer at step \d+", console)
 
@@ -124,8 +124,10 @@ def test_a_killed_group_restarts_heals_and_ends_equal_through_kedro_run(tmp_path
     client, run_id = latest_run(project)
     job = project / "data" / "07_model_output" / "job"
     losses = _assert_healed(console, client, run_id, job)
-    left = [p.pid for p in psutil.process_iter(["cmdline"])
-            if any(str(project) in arg for arg in p.info["cmdline"] or [])]  # fmt: skip
+    # Nothing of the run is left: its processes ran in the project (their command lines
+    # name the job config relative to it), and kedro run has ended.
+    left = [p.pid for p in psutil.process_iter(["cwd"])
+            if p.info["cwd"] and Path(p.info["cwd"]).is_relative_to(project)]  # fmt: skip
     assert descendants_alive(left) == []
 
     hsdp = rerun_here(
