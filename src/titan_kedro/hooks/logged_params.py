@@ -71,7 +71,8 @@ class KeepLoggedParamsHook:
                     originals[key], inputs[key] = value, kept
             elif param_name(name) in held:
                 originals[key] = inputs.pop(key)
-        changed = list(differences(logged, given))
-        if changed:
-            logger.debug("kept the logged values of %s in run %s", changed, self._run_id)
+        if logger.isEnabledFor(logging.DEBUG):  # the comparison serves only this message
+            changed = list(differences(logged, given))
+            if changed:
+                logger.debug("kept the logged values of %s in run %s", changed, self._run_id)
         return originals
