@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import gzip
 import json
 import os
@@ -155,6 +156,12 @@ def _forkserver_s() -> float:
     except OSError:
         return 0.0
     return sum(int(tick) for tick in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Collection imported torch, Kedro and MLflow: keep their objects out of the cyclic
+    # collector's walks for the rest of the session (titan_kedro.runs.frozen_imports).
+    gc.freeze()
 
 
 def pytest_runtest_logstart(nodeid: str, location: Any) -> None:

@@ -3,6 +3,8 @@
 from kedro.framework.project import find_pipelines
 from kedro.pipeline import Pipeline
 
+from titan_kedro.runs.frozen_imports import frozen_imports
+
 # The order a full run takes; each stage consumes the one before it.
 DEFAULT_ORDER = (
     "data_processing",
@@ -21,7 +23,8 @@ def register_pipelines() -> dict[str, Pipeline]:
         A mapping from pipeline names to ``Pipeline`` objects; ``__default__`` runs every
         stage that exists, in ``DEFAULT_ORDER`` (Kedro orders nodes by their datasets).
     """
-    pipelines = find_pipelines(raise_errors=True)
+    with frozen_imports():  # the nodes' modules import the models, the plan and transformers
+        pipelines = find_pipelines(raise_errors=True)
     pipelines["__default__"] = sum(
         (pipelines[name] for name in DEFAULT_ORDER if name in pipelines), Pipeline([])
     )

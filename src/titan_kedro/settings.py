@@ -6,14 +6,20 @@ import warnings
 from kedro.config import OmegaConfigLoader
 from omegaconf.resolvers import oc
 
-from titan_kedro.hooks import (
-    ContinueRunHook,
-    KeepLoggedParamsHook,
-    MlflowRunTagsHook,
-    StorageCredentialsHook,
-    ValidateJobConfigHook,
-)
+from titan_kedro.runs.frozen_imports import freeze_at_exit, frozen_imports
 from titan_kedro.tracking.credentials import adopt_tracking_credentials, install_secret_filter
+
+# The hooks import torch and MLflow: their objects and Kedro's stay out of the plan's and
+# the nodes' collections, and out of the interpreter's at exit (runs/frozen_imports.py).
+freeze_at_exit()
+with frozen_imports():
+    from titan_kedro.hooks import (
+        ContinueRunHook,
+        KeepLoggedParamsHook,
+        MlflowRunTagsHook,
+        StorageCredentialsHook,
+        ValidateJobConfigHook,
+    )
 
 # From the first moment: no credentials in this process's tracking URI (they move to
 # MLflow's MLFLOW_TRACKING_USERNAME / PASSWORD / TOKEN, which the workers inherit), and

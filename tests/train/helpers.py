@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -230,6 +231,7 @@ def _rank_entry(
     import torch.distributed as dist
 
     check, args, timeout_s, environ = call
+    gc.freeze()  # the server's imports stay out of this rank's collections (runs/frozen_imports.py)
     # A forkserver's child has the server's environment, not the test's (its hooks' and
     # threads' variables): take the test's.
     os.environ.clear()

@@ -25,6 +25,8 @@ import socket
 import sys
 from typing import Any
 
+from titan_kedro.runs.frozen_imports import freeze_at_exit, frozen_imports
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -85,8 +87,10 @@ def patch_stores() -> None:
 
 def main() -> None:
     """Run torchrun (``sys.argv[1:]`` are its arguments) with loopback-only stores."""
-    patch_stores()
-    from torch.distributed.run import main as torchrun_main
+    freeze_at_exit()
+    with frozen_imports():
+        patch_stores()
+        from torch.distributed.run import main as torchrun_main
 
     sys.argv[0] = "torchrun"
     torchrun_main()

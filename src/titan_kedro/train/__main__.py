@@ -38,6 +38,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from titan_kedro.runs.frozen_imports import freeze_at_exit, frozen_imports
 from titan_kedro.runs.lock import hold_run_folder
 from titan_kedro.runs.parent_death import end_with_agent
 from titan_kedro.tracking.credentials import adopt_tracking_credentials, install_secret_filter
@@ -75,19 +76,22 @@ def run_folder_held(cfg: Any, rank: int) -> contextlib.AbstractContextManager[An
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one worker; returns the process exit code."""
     end_with_agent()  # before the slow imports below: a worker ends with its torchrun agent
+    freeze_at_exit()
     # No credentials in a URI this worker could print; every log record masked.
     adopt_tracking_credentials()
     install_secret_filter()
-    from torch.distributed.elastic.multiprocessing.errors import record
+    with frozen_imports():  # torch's objects stay out of the step's collections
+        from torch.distributed.elastic.multiprocessing.errors import record
 
     return int(record(run_worker)(argv))
 
 
 def run_worker(argv: Sequence[str] | None = None) -> int:
     """Load the job config, hold the run folder (rank 0) and train."""
-    from titan_kedro.config import load_raw_config
-    from titan_kedro.models.resolve import resolve_job_config
-    from titan_kedro.train.device import env_int
+    with frozen_imports():
+        from titan_kedro.config import load_raw_config
+        from titan_kedro.models.resolve import resolve_job_config
+        from titan_kedro.train.device import env_int
 
     rank = env_int("RANK", 0)
     logging.basicConfig(
@@ -98,10 +102,10 @@ def run_worker(argv: Sequence[str] | None = None) -> int:
     config_file, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     raw = load_raw_config(config_file, overrides)
     resolved = resolve_job_config(raw, source=config_file or "command line")
-
-    from titan_kedro.tracking.system_metrics import NodeSystemMetrics
-    from titan_kedro.train.device import keep_freed_memory_mapped
-    from titan_kedro.train.trainer import Trainer
+    with frozen_imports():
+        from titan_kedro.tracking.system_metrics import NodeSystemMetrics
+        from titan_kedro.train.device import keep_freed_memory_mapped
+        from titan_kedro.train.trainer import Trainer
 
     if resolved.config.training.device != "cuda" and resolved.config.training.cpu_keep_freed_memory:
         keep_freed_memory_mapped()
