@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import signal
 import sys
 import threading
@@ -116,18 +117,34 @@ def render_request(info: AppDryRunInfo, env: Mapping[str, str]) -> str:
     return redact(str(info), tracking_secrets(env))
 
 
-def _failing_replica(status: AppStatus, tails: list[deque[str]]) -> int:
+WORKER_FAILED = re.compile(r"^[EWI](\d{4} \d\d:\d\d:\d\d\.\d+) .*\] failed \(exitcode: ")
+"""torchrun's record of a failed worker, with its time: ``E1206 23:04:34.057000 <pid>
+torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 17) …``."""
+
+
+def _failure_time(tail: Iterable[str]) -> str:
+    """When ``tail``'s torchrun saw a worker fail ("MMDD HH:MM:SS.ffffff", comparable as
+    text within a year); "~", after every time, when it does not say."""
+    return next((m.group(1) for line in tail if (m := WORKER_FAILED.match(line))), "~")
+
+
+def failing_replica(status: AppStatus, tails: list[deque[str]]) -> int:
     """The replica that failed first: its torchrun reports a failed worker ("Root Cause") and
-    was not stopped by a signal (Slurm stops the others once one fails); else the first the
-    scheduler marks failed; else one whose log shows an error."""
+    was not stopped by a signal (Slurm stops the others once one fails), the earliest by
+    torchrun's own time; else the first the scheduler marks failed; else one whose log
+    shows an error.
+
+    The crashed rank's peers often fail too before Slurm stops them (their collective loses
+    its connection), so more than one replica can report a root cause: the earliest is the
+    cause."""
 
     def says(k: int, text: str) -> bool:
         return any(text in line for line in tails[k])
 
     reported = [k for k in range(len(tails)) if says(k, "Root Cause")]
-    for k in reported:
-        if not says(k, "got signal"):
-            return k
+    unsignalled = [k for k in reported if not says(k, "got signal")]
+    if unsignalled:
+        return min(unsignalled, key=lambda k: (_failure_time(tails[k]), k))
     if reported:
         return reported[0]
     for role in status.roles:
@@ -259,7 +276,7 @@ def run_job(
     if status is not None and status.state == AppState.SUCCEEDED and not timed_out:
         return handle
     state = "gone from the scheduler" if status is None else status.state.name
-    k = _failing_replica(status, follower.tails) if status is not None else 0
+    k = failing_replica(status, follower.tails) if status is not None else 0
     replica_log = "".join(list(follower.tails[k])[-TAIL_LINES:])
     rank_log = new_failing_rank_log(log_dir, before, replica_log)
     reason = (

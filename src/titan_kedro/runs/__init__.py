@@ -9,6 +9,7 @@ records), ``lock`` (one writer per run folder), ``checkpoint_layout`` (the ``ste
 folders), ``checkpoint_metadata`` (``CheckpointMetadata``: what ``metadata.json`` holds,
 its one writer and reader), ``resume`` (finding checkpoints and the one resolution of
 ``checkpoint.resume``), ``parent_death`` (a process that ends with its parent: torchrun's
-wrapper and the workers) and ``loopback_agent`` (torchrun whose stores listen on
-127.0.0.1). Saving and loading tensors stays in ``train.checkpoint``.
+wrapper and the workers), ``loopback_agent`` (torchrun whose stores listen on
+127.0.0.1) and ``frozen_imports`` (what a process imports stays out of the cyclic
+collector's walks). Saving and loading tensors stays in ``train.checkpoint``.
 """
