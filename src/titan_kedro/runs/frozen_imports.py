@@ -8,10 +8,10 @@ core; a ``kedro run`` of ``conf/test`` makes about ten, a worker about eight) an
 while the interpreter shuts down (about 1 s). Objects in the permanent generation
 (``gc.freeze``) are skipped by all of these. They are still freed by reference counting;
 only a cycle among them would never be collected, which costs nothing for objects that
-live until exit anyway. ``benchmarks/process_exit.py`` measures the difference.
+live until exit anyway. ``benchmarks/frozen_imports.py`` measures the difference.
 
 The processes this project starts use both helpers: the training worker, the loopback
-torchrun agent and ``kedro run`` (through ``settings.py``).
+torchrun agent and ``kedro run`` (through ``settings.py`` and the pipeline registry).
 """
 
 from __future__ import annotations
