@@ -17,12 +17,10 @@ torchrun agent and ``kedro run`` (through ``settings.py`` and the pipeline regis
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-
-_registered = threading.Event()
 
 
 @contextmanager
@@ -39,12 +37,11 @@ def frozen_imports() -> Iterator[None]:
             gc.enable()
 
 
+@functools.cache  # registered once per process, however many entry points call it
 def freeze_at_exit() -> None:
-    """Leave every object out of the interpreter's collections at exit (once per process).
+    """Leave every object out of the interpreter's collections at exit.
 
     Registered early, so it runs after the exit handlers registered later (``atexit`` runs
     them in reverse order): MLflow's run end and logging's flush still run first.
     """
-    if not _registered.is_set():
-        _registered.set()
-        atexit.register(gc.freeze)
+    atexit.register(gc.freeze)
