@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 from torch import nn
 
 from titan_kedro.models import TrainSpec, register_train_spec
+from titan_kedro.models import sharded_init as init
 
 
 @dataclass(frozen=True)
@@ -91,12 +92,12 @@ class TinyGpt(nn.Module):
         residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
-                nn.init.ones_(param)
+                init.ones_(param)
             elif param.dim() == 1:
-                nn.init.zeros_(param)
+                init.zeros_(param)
             else:
                 residual = name.endswith(("proj.weight", "mlp.2.weight"))
-                nn.init.normal_(param, mean=0.0, std=residual_std if residual else 0.02)
+                init.normal_(param, mean=0.0, std=residual_std if residual else 0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)

@@ -14,10 +14,12 @@ from titan_kedro.models.deepseek_v2 import flops_per_token
 from titan_kedro.models.pipeline_split import balanced_layout, stage_costs
 from titan_kedro.models.registry import get_train_spec
 from titan_kedro.models.resolve import resolve_job_config
+from titan_kedro.models.sharded_init import init_on_shards
 from titan_kedro.pipelines.training import nodes as training_nodes
 from titan_kedro.plan.fake_step import measured_micro_batches
 from titan_kedro.train.pipeline import stage_config
 from titan_kedro.train.pipeline.stages import make_stage
+from titan_kedro.train.trainer import build_model
 
 
 @pytest.mark.parametrize(
@@ -177,9 +179,15 @@ def test_block_costs_add_up_to_the_models_flops_and_weigh_moe_blocks_apart() -> 
 def test_stages_hold_whole_blocks_and_chain_to_the_models_output_and_mtp() -> None:
     spec = get_train_spec("deepseek_v3")
     args = spec.resolve_args("debugmodel", {**TINY_DEEPSEEK, "n_layers": 4, "mtp_depth": 1})
-    torch.manual_seed(0)
-    model = spec.build_model(args)
-    first, last = make_stage(model, 0, [2, 2], keep=False), make_stage(model, 1, [2, 2], keep=False)
+    model = build_model(spec, args, 0, torch.device("cpu"))
+
+    def stage(index: int) -> torch.nn.Module:  # as the trainer: cut on meta, then initialised
+        with torch.device("meta"):
+            whole = spec.build_model(args)
+        return init_on_shards(make_stage(whole, index, [2, 2]), 0, "cpu")
+
+    # Each stage draws the whole model's values (by name), so the chain equals it exactly.
+    first, last = stage(0), stage(1)
     assert set(first.layers) == {"0", "1"} and first.norm is None and first.output is None
     assert set(last.layers) == {"2", "3", "4"} and last.tok_embeddings is None  # 4: MTP
     names = set(first.state_dict()) | set(last.state_dict())

@@ -40,3 +40,23 @@ def test_tensor_parallelism_halves_each_ranks_flops_and_shrinks_its_activations(
     # The blocks' inner activations and the residual stream are split; only the gathered
     # inputs of the attention and the MLP stay whole, so well under the unsplit step's.
     assert split["bytes_per_rank"]["activations"] < 0.75 * plain["bytes_per_rank"]["activations"]
+
+
+@pytest.mark.parametrize("model", ["llama3", "deepseek_v2"])
+def test_tensor_parallelism_alone_is_planned(model: str) -> None:
+    # TP 2 on 2 ranks: no FSDP, so nothing but the step sums the sequence-parallel norms'
+    # Partial gradients; the fake step's clipping refused them before (issue 43).
+    small = {"vocab_size": 512, "n_layers": 2, "dim": 64, "n_heads": 4}
+    extra = {"n_kv_heads": 2, "ffn_hidden_dim": 128} if model == "llama3" else {}
+    raw = {
+        "model": {"name": model, "overrides": {**small, **extra}},
+        "launch": {"nproc_per_node": 2},
+        "training": {"seq_len": SEQ, "local_batch_size": BATCH, "global_batch_size": 2 * BATCH,
+                     "device": "cpu"},
+        "parallelism": {"tensor_parallel_degree": 2,
+                        "expert_parallel_degree": 2 if model == "deepseek_v2" else 1},
+        "metrics": {"peak_tflops": 1.0},
+    }  # fmt: skip
+    plan = build_plan(resolve_job_config(raw))
+    assert (plan["layout"]["tp"], plan["layout"]["dp_shard"]) == (2, 1)
+    assert plan["bytes_per_rank"]["total"] > 0 and plan["fits"]

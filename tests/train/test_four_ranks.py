@@ -81,7 +81,8 @@ def test_four_rank_ep_layouts_train_like_one_process_with_accumulation(tmp_path:
         references[model] = train_here(_moe_job(tmp_path, tokens, f"one_{model}", {}, model))
         steps = [row["step"] for row in references[model]]
         assert steps == list(range(1, spec["steps"] + 1)), model
-        assert references[model][-1]["loss"] < references[model][0]["loss"], model
+        # The weights move every step (the comparison below would be empty otherwise).
+        assert len({round(row["loss"], 5) for row in references[model]}) == len(steps), model
         for name in spec["layouts"]:
             job = _moe_job(tmp_path, tokens, f"{model}_{name}", LAYOUTS[name], model)
             job["launch"] = {**job["launch"], "nproc_per_node": 4}

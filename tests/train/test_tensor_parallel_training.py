@@ -137,3 +137,34 @@ def test_tensor_parallel_layouts_train_like_one_process_and_resume_on_tp1(
     # (the pipeline's ranks train the same samples; each computes its stage's FLOPs).
     for row in rows:
         assert row["tps"] * row["step_time_s"] == pytest.approx(4 * 2 * 32 / 2)
+
+
+def test_tensor_parallelism_alone_trains_like_one_process(tmp_path: Path) -> None:
+    # TP 2 on 2 ranks, one data rank (no FSDP): the step sums the sequence-parallel norms'
+    # Partial gradients once, after the last of 2 accumulated micro-batches. DeepSeek with
+    # q-LoRA off (the column-parallel wq) and EP 2 on the TP ranks; Llama 3 (GQA).
+    tokens = write_token_dir(tmp_path / "tokens", n_train=4_000)
+    models = {
+        "deepseek": {**MODELS["deepseek"], "overrides": {**TINY_DEEPSEEK, "q_lora_rank": None}},
+        "llama": MODELS["llama"],
+    }
+    layouts = {
+        "deepseek": {"tensor_parallel_degree": 2, "expert_parallel_degree": 2},
+        "llama": {"tensor_parallel_degree": 2},
+    }
+
+    def job(model: str, name: str, nproc: int, parallelism: dict[str, int]) -> dict[str, Any]:
+        return tiny_job(
+            tmp_path / f"{model}_{name}", tokens,
+            model={"custom_model_path": None, **models[model]},
+            training={"steps": 4, "global_batch_size": 4, "max_norm": 0.5},
+            parallelism=parallelism, launch={"nproc_per_node": nproc},
+            checkpoint={"enable": False},
+        )  # fmt: skip
+
+    jobs = {model: job(model, "tp2_alone", 2, layout) for model, layout in layouts.items()}
+    run_ranks(train_each, list(jobs.values()), store=tmp_path / "store", world=2)
+    for model, raw in jobs.items():
+        reference = train_here(job(model, "one_alone", 1, {}))
+        assert len({round(row["loss"], 5) for row in reference}) == 4
+        _assert_same(read_metrics(raw["job"]["dump_folder"]), reference, KEYS[model], model)

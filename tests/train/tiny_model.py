@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_kedro.models import sharded_init as init
 from titan_kedro.models.registry import TrainSpec, register_train_spec, unregister_train_spec
 
 SPEC_NAME = "tiny_dense"
@@ -71,11 +72,11 @@ class TinyDecoder(nn.Module):
     def init_weights(self) -> None:
         for name, p in self.named_parameters():
             if "norm" in name:
-                nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
+                init.ones_(p) if name.endswith("weight") else init.zeros_(p)
             elif name.endswith("bias"):
-                nn.init.zeros_(p)
+                init.zeros_(p)
             else:
-                nn.init.normal_(p, std=0.02)
+                init.normal_(p, std=0.02)
         if self.args.moe_hooks:
             self.expert_bias.zero_()
             self._load.zero_()

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_kedro.models import sharded_init as init
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned gain, computed in float32 like transformers."""
@@ -50,7 +52,7 @@ class RMSNorm(nn.Module):
 
     def reset_parameters(self) -> None:
         """Gain back to one."""
-        nn.init.ones_(self.weight)
+        init.ones_(self.weight)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -75,9 +77,9 @@ class FeedForward(nn.Module):
 
     def init_weights(self, init_std: float = 0.02) -> None:
         """Input projection at std 0.02; the others at ``init_std`` (depth-scaled by callers)."""
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
         for linear in (self.w2, self.w3):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
+            init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
 
 
 @dataclass(frozen=True)

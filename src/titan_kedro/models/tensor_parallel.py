@@ -20,7 +20,7 @@ Parameters of the split projections are ``DTensor`` on the ``tp`` mesh (``Shard`
 rows or columns); FSDP2 then shards them over the data-parallel mesh as well (2-D). The
 sequence-parallel norms are ``Replicate`` ``DTensor``: their gradients come out
 ``Partial`` (one sequence shard each) and are summed by FSDP's reduction, or by
-:func:`reduce_partial_gradients` without FSDP. Plain parameters used on the gathered
+:func:`reduce_partial_gradients` (the step's, before clipping) without FSDP. Plain parameters used on the gathered
 activations (the MLA down-projections and their norms) get the same, whole gradient on
 every ``tp`` rank, because a column-parallel layer all-reduces its input's gradient (a
 partial sum over this rank's columns) over ``tp``.
@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -151,22 +152,56 @@ def apply_block_plans(
         parallelize_module(block, tp_mesh, plan_of(block))
 
 
-def reduce_partial_gradients(model: nn.Module) -> None:
-    """Sum the ``Partial`` gradients of replicated ``DTensor`` parameters over ``tp`` as they
-    accumulate, for a model FSDP does not wrap (FSDP's reduction does it otherwise).
+def reduce_partial_gradients(params: Iterable[torch.Tensor]) -> int:
+    """Sum the ``Partial`` gradients of replicated ``DTensor`` parameters, once per step.
 
-    A sequence-parallel norm's weight sees only this rank's sequence shard, so its gradient
-    comes out ``Partial``; clipping and the optimizer need it whole (``Replicate``).
+    A sequence-parallel norm's weight sees only this rank's sequence shard, so its
+    gradient comes out ``Partial`` over ``tp``; clipping and the optimizer need it whole.
+    FSDP's reduction sums them when FSDP wraps the model; without FSDP (one data rank)
+    the step calls this after its last backward, before clipping. The gradients of a mesh
+    go in one flat all-reduce per ``Partial`` mesh dimension (a bucket), not one each.
+
+    Returns:
+        How many gradients were reduced.
     """
-
-    def reduce(param: torch.Tensor) -> None:
+    buckets: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+    for param in params:
         grad = param.grad
-        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-            param.grad = grad.redistribute(grad.device_mesh, param.placements)
-
-    for param in model.parameters():
-        if isinstance(param, DTensor) and param.requires_grad:
-            param.register_post_accumulate_grad_hook(reduce)
+        if not isinstance(grad, DTensor) or not any(p.is_partial() for p in grad.placements):
+            continue
+        partial = tuple(i for i, p in enumerate(grad.placements) if p.is_partial())
+        for i in partial:
+            if grad.placements[i].reduce_op != "sum":
+                raise ValueError(
+                    f"a Partial({grad.placements[i].reduce_op}) gradient cannot be summed; "
+                    "only sum-partial gradients come out of the tensor-parallel plans"
+                )
+        key = (id(grad.device_mesh), partial, grad.to_local().dtype)
+        buckets.setdefault(key, []).append(param)
+    for members in buckets.values():
+        first = members[0].grad
+        mesh, partial = (
+            first.device_mesh,
+            [i for i, p in enumerate(first.placements) if p.is_partial()],
+        )
+        locals_ = [param.grad.to_local() for param in members]
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        for dim in partial:
+            dist.all_reduce(flat, group=mesh.get_group(dim))
+        offset = 0
+        for param, local in zip(members, locals_, strict=True):
+            summed = flat[offset : offset + local.numel()].view_as(local)
+            offset += local.numel()
+            placements = [Replicate() if p.is_partial() else p for p in param.grad.placements]
+            param.grad = DTensor.from_local(
+                summed,
+                mesh,
+                placements,
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
+            )
+    return sum(len(members) for members in buckets.values())
 
 
 def loss_parallel_cross_entropy(

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titan_kedro.models.tensor_parallel import loss_context
+from titan_kedro.models.tensor_parallel import loss_context, reduce_partial_gradients
 from titan_kedro.train.documents import document_inputs
 from titan_kedro.train.grad_clip import clip_grad_norm_
 from titan_kedro.train.metrics import expert_load_stats
@@ -122,6 +122,8 @@ class TrainStep:
             sums, data_time = self._micro_batches()
         accum = self.config.layout.grad_accum_steps
         params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
+        if self.config.layout.tp > 1:  # without FSDP, the sequence-parallel norms' sums
+            reduce_partial_gradients(params)
         if ft is not None:
             ft.average_gradients(params)
         grad_norm = clip_grad_norm_(params, self.config.training.max_norm)

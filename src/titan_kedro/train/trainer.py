@@ -24,6 +24,7 @@ from titan_kedro.data.token_store import read_token_metadata
 from titan_kedro.ft.identity import data_shard, restarted_group
 from titan_kedro.models.parallel import autocast_dtype, training_dtypes
 from titan_kedro.models.resolve import ResolvedJob
+from titan_kedro.models.sharded_init import init_on_shards
 from titan_kedro.models.tensor_parallel import loss_context
 from titan_kedro.runs.folders import run_folder
 from titan_kedro.runs.identity import checkpoint_metadata
@@ -55,17 +56,12 @@ logger = logging.getLogger(__name__)
 
 
 def build_model(spec: Any, model_args: Any, seed: int, device: torch.device) -> nn.Module:
-    """Build on the meta device, allocate on ``device`` and initialise under ``seed``.
-
-    Every rank runs the same initialisation, so the weights are identical before sharding.
-    """
+    """The whole model on one device: built on meta, allocated on ``device`` and
+    initialised under ``seed`` (``models/sharded_init``: the values every layout's shards
+    hold too)."""
     with torch.device("meta"):
         model = spec.build_model(model_args)
-    model.to_empty(device=device)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.init_weights()
-    return model
+    return init_on_shards(model, seed, device)
 
 
 class Trainer:
@@ -141,10 +137,12 @@ class Trainer:
         torch.use_deterministic_algorithms(cfg.training.deterministic, warn_only=True)
 
     def _build_model(self) -> None:
-        """The initialised model, its loss (fused or not), document masking, then sharding
-        (this rank's pipeline stages under pipeline parallelism, ``train/pipeline``)."""
+        """The model on meta, its loss (fused or not), document masking, sharding (this
+        rank's pipeline stages under pipeline parallelism, ``train/pipeline``), then this
+        rank's shards allocated and initialised (``models/sharded_init``)."""
         cfg = self.cfg
-        model = build_model(self.spec, self.model_args, cfg.job.seed, self.device)
+        with torch.device("meta"):  # nothing is allocated before the model is sharded
+            model = self.spec.build_model(self.model_args)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.loss_fn = self.spec.build_loss_fn(cfg)
         try:
@@ -157,6 +155,8 @@ class Trainer:
         self.model_parts, self.loss_fn, self.stages = build_model_parts(
             model, self.spec, self.model_args, self.parallel_dims, cfg=cfg, loss_fn=self.loss_fn
         )
+        for part in self.model_parts:  # each rank allocates and initialises its shards only
+            init_on_shards(part, cfg.job.seed, self.device)
         self.model = self.model_parts[0]
         self.model.train()
         # Mixed precision once: by FSDP's policy when sharded, else by autocast (one rank).

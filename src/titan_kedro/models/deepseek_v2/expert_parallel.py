@@ -172,7 +172,8 @@ def shard_experts(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
                 f"experts.{name} has {param.shape[0]} experts, not divisible by "
                 f"parallelism.expert_parallel_degree={ep}"
             )
-        sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
+        # Every rank keeps its own rows (no scatter): the model is on meta, or the same everywhere.
+        sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
         experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
     hooks = _ExpertParallelHooks(ep_mesh)
     experts.register_forward_pre_hook(hooks.before, with_kwargs=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from titan_kedro.models import sharded_init as init
 from titan_kedro.models.common import (
     AttentionMask,
     FeedForward,
@@ -96,8 +97,8 @@ class MLA(nn.Module):
         inputs = [self.wkv_a, self.wkv_b]
         inputs += [self.wq] if self.q_lora_rank is None else [self.wq_a, self.wq_b]
         for linear in inputs:
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+            init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
         self.kv_norm.reset_parameters()
         if self.q_lora_rank is not None:
             self.q_norm.reset_parameters()
@@ -202,13 +203,16 @@ class DeepSeekV2Model(RotaryTableModule):
         device = buffer_device or self.freqs_cis.device
         with torch.device(device):
             self.freqs_cis = self._rotary_table()
-        nn.init.normal_(self.tok_embeddings.weight)
+        # A pipeline stage lacks the parts other stages hold (None): it skips them.
+        if self.tok_embeddings is not None:
+            init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
             layer.init_weights()
-        self.norm.reset_parameters()
-        # Logits start near zero: std 1/sqrt(dim), cut at 3 std.
-        std = self.args.dim**-0.5
-        nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:  # logits start near zero: std 1/sqrt(dim), cut at 3 std
+            std = self.args.dim**-0.5
+            init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     # DeepSeekMoE bookkeeping (generic training code checks these with hasattr).
 

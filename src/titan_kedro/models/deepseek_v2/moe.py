@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titan_kedro.models import sharded_init as init
 from titan_kedro.models.common import FeedForward
 from titan_kedro.models.deepseek_v2.args import DeepSeekV2ModelArgs
 
@@ -129,9 +130,9 @@ class GroupedExperts(nn.Module):
 
     def init_weights(self, init_std: float) -> None:
         """Gate at std 0.02, up and down projections at the depth-scaled ``init_std``."""
-        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.w2, mean=0.0, std=init_std)
-        nn.init.trunc_normal_(self.w3, mean=0.0, std=init_std)
+        init.trunc_normal_(self.w1, mean=0.0, std=0.02)
+        init.trunc_normal_(self.w2, mean=0.0, std=init_std)
+        init.trunc_normal_(self.w3, mean=0.0, std=init_std)
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -310,7 +311,7 @@ class MoE(nn.Module):
 
     def init_weights(self, init_std: float) -> None:
         """Router and expert weights; the balancing state back to zero."""
-        nn.init.trunc_normal_(self.router.gate.weight, mean=0.0, std=init_std)
+        init.trunc_normal_(self.router.gate.weight, mean=0.0, std=init_std)
         self.experts.init_weights(init_std)
         if self.shared_experts is not None:
             self.shared_experts.init_weights(init_std)

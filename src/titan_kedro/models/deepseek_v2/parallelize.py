@@ -25,7 +25,6 @@ from titan_kedro.models.deepseek_v2.expert_parallel import shard_experts
 from titan_kedro.models.deepseek_v2.moe import GroupedExperts
 from titan_kedro.models.deepseek_v2.tensor_parallel import apply_deepseek_tensor_parallel
 from titan_kedro.models.parallel import apply_ac, apply_compile, apply_fsdp, training_dtypes
-from titan_kedro.models.tensor_parallel import reduce_partial_gradients
 
 
 def grouped_experts(module: nn.Module) -> list[GroupedExperts]:
@@ -109,8 +108,6 @@ def parallelize_deepseek_v2(model: nn.Module, parallel_dims: Any, job_config: An
     if job_config.training.compile:
         apply_compile(model)
     if not parallel_dims.fsdp_enabled:  # one data rank: mixed precision comes from autocast
-        if parallel_dims.tp > 1:
-            reduce_partial_gradients(model)
         return model
     param_dtype, reduce_dtype = training_dtypes(job_config, parallel_dims.device)
     return apply_fsdp(

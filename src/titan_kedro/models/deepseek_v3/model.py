@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from titan_kedro.models import sharded_init as init
 from titan_kedro.models.common import AttentionMask, RMSNorm, document_mask, rotary_for
 from titan_kedro.models.deepseek_v2.model import DeepSeekV2Model, TransformerBlock
 from titan_kedro.models.deepseek_v3.args import DeepSeekV3ModelArgs
@@ -67,7 +68,7 @@ class MTPBlock(TransformerBlock):
         super().init_weights()
         for norm in (self.enorm, self.hnorm, self.norm):
             norm.reset_parameters()
-        nn.init.trunc_normal_(self.eh_proj.weight, mean=0.0, std=0.02)
+        init.trunc_normal_(self.eh_proj.weight, mean=0.0, std=0.02)
 
 
 class DeepSeekV3Model(DeepSeekV2Model):

@@ -11,6 +11,7 @@ import math
 import torch
 from torch import nn
 
+from titan_kedro.models import sharded_init as init
 from titan_kedro.models.common import (
     AttentionMask,
     FeedForward,
@@ -59,8 +60,8 @@ class Attention(nn.Module):
     def init_weights(self, init_std: float) -> None:
         """q/k/v at std 0.02, the output projection at ``init_std``."""
         for linear in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+            init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
 
 
 class TransformerBlock(nn.Module):
@@ -117,14 +118,16 @@ class Llama3Model(RotaryTableModule):
         """Re-initialise every parameter and the rotary buffer (after ``to_empty`` from meta)."""
         with torch.device(self.freqs_cis.device):
             self.freqs_cis = self._rotary_table()
-        nn.init.normal_(self.tok_embeddings.weight)
+        # A pipeline stage lacks the parts other stages hold (None): it skips them.
+        if self.tok_embeddings is not None:
+            init.normal_(self.tok_embeddings.weight)
         for block in self.layers.values():
             block.init_weights()
-        self.norm.reset_parameters()
-        final_std = self.args.dim**-0.5
-        nn.init.trunc_normal_(
-            self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std
-        )
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            std = self.args.dim**-0.5
+            init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     def forward(
         self,

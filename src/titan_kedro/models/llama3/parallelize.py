@@ -19,7 +19,6 @@ from titan_kedro.models.tensor_parallel import (
     apply_block_plans,
     apply_tensor_parallel_ends,
     attention_and_mlp_plan,
-    reduce_partial_gradients,
 )
 
 
@@ -51,6 +50,4 @@ def parallelize_llama3(model: nn.Module, parallel_dims: Any, job_config: Any) ->
             lambda block: attention_and_mlp_plan(_ATTENTION, "feed_forward"),
         )
         apply_tensor_parallel_ends(model, parallel_dims.tp_mesh)
-        if not parallel_dims.fsdp_enabled:
-            reduce_partial_gradients(model)
     return parallelize_dense(model, parallel_dims, job_config)

@@ -2,7 +2,7 @@
 
 - ``models/pipeline_split.py``: which blocks each stage holds (balanced analytic FLOPs by
   default, or ``parallelism.pipeline_layout``) and the model-aware refusals;
-- ``stages.py``: cutting the initialised model into stage modules and their forward
+- ``stages.py``: cutting the meta-device model into stage modules and their forward
   (hidden state, plus the token embeddings for MTP), and how auxiliary losses reach the
   gradients;
 - ``step.py``: the pipelined optimizer step (``PipelineTrainStep``), which builds the
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
@@ -56,7 +57,8 @@ def build_pipeline(
     """This rank's stages of ``model``, parallelized, the loss and the ``PipelineStage`` s.
 
     Args:
-        model: The whole initialised model (pruned in place into this rank's last stage).
+        model: The whole model on the meta device (pruned in place into this rank's last
+            stage).
         spec: Its train spec (``parallelize_fn``, ``build_model``).
         model_args: Its args.
         parallel_dims: The built meshes (``pp_rank``, ``pp_mesh``, the stage's FSDP meshes).
@@ -76,7 +78,10 @@ def build_pipeline(
             f"blocks of {type(model).__name__} (its blocks: {list(model.layers)})"
         )
     ids = stage_ids(parallel_dims.pp_rank, layout.pp, layout.pp_stages_per_rank)
-    parts = [make_stage(model, i, split, keep=k == len(ids) - 1) for k, i in enumerate(ids)]
+    # The given meta model becomes the last of this rank's stages; the others prune fresh
+    # meta builds (nothing is allocated until the shards are).
+    wholes = [_meta_build(spec, model_args) for _ in ids[1:]] + [model]
+    parts = [make_stage(whole, i, split) for whole, i in zip(wholes, ids, strict=True)]
     last = parts[-1]
     if last.pipeline_stage["last"] and uses_fused_loss(cfg, spec, last):
         loss_fn = FusedOutputLoss(defer_output_projection(last), compile=cfg.training.compile)
@@ -89,6 +94,11 @@ def build_pipeline(
         for part, i in zip(parts, ids, strict=True)
     ]
     return parts, loss_fn, stages
+
+
+def _meta_build(spec: Any, model_args: Any) -> nn.Module:
+    with torch.device("meta"):
+        return spec.build_model(model_args)
 
 
 def stage_config(cfg: Any, stage: nn.Module) -> Any:

@@ -1,11 +1,13 @@
-"""Cut an initialised model into pipeline stages (whole blocks), each a pruned model copy.
+"""Cut a meta-device model into pipeline stages (whole blocks), each a pruned model.
 
-Every rank builds and initialises the whole model under the job's seed (so the weights
-equal one process's), then keeps only its stages: a stage is the model with the other
+The trainer builds the model on the meta device; a stage is that model with the other
 blocks deleted, ``tok_embeddings`` kept on the first stage only and ``norm`` / ``output`` /
-the MTP blocks on the last stage only. Parameter names are unchanged, so checkpoints,
-the optimizer's FQN-keyed state and HF export see the names of the unsplit model, and
-``parallelize_fn`` (AC, compile, EP, FSDP) applies to a stage as to a model.
+the MTP blocks on the last stage only (a rank holding several stages prunes a fresh meta
+build for each: nothing is allocated or copied). Parameter names are unchanged, so
+checkpoints, the optimizer's FQN-keyed state, HF export and the initialisation by name
+(``models/sharded_init``: a stage draws the values the whole model would) see the names
+of the unsplit model, and ``parallelize_fn`` (AC, compile, EP, FSDP) applies to a stage as
+to a model. The trainer then allocates and initialises each stage's shards.
 
 A stage's forward (:func:`stage_forward`, bound to the copy) passes on the hidden state
 ``h``; with MTP the first stage also sends the token embeddings, which every later stage
@@ -23,7 +25,6 @@ microbatch for the step's ``moe_aux_loss`` metric (summed over stages by the ste
 
 from __future__ import annotations
 
-import copy
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -102,15 +103,14 @@ def _stage_forward(
     return out
 
 
-def make_stage(model: nn.Module, index: int, layout: list[int], *, keep: bool) -> nn.Module:
-    """Stage ``index`` of ``layout`` cut from ``model`` (a copy unless ``keep``).
+def make_stage(model: nn.Module, index: int, layout: list[int]) -> nn.Module:
+    """Prune ``model`` (the whole model, on meta) in place into stage ``index`` of ``layout``.
 
     Args:
-        model: The whole initialised model (``tok_embeddings``, ``layers``, ``norm``,
-            ``output``, ``freqs_cis``; DeepSeek-V3's MTP blocks after ``n_layers``).
+        model: A whole model (``tok_embeddings``, ``layers``, ``norm``, ``output``,
+            ``freqs_cis``; DeepSeek-V3's MTP blocks after ``n_layers``), unallocated.
         index: The stage.
         layout: Main blocks per stage.
-        keep: Prune ``model`` itself (its last use) instead of a copy.
 
     Raises:
         TypeError: The model lacks a part the stage forward needs.
@@ -126,7 +126,7 @@ def make_stage(model: nn.Module, index: int, layout: list[int], *, keep: bool) -
             "like the built-in ones (docs/ARCHITECTURE.md, Pipeline parallelism); set "
             "parallelism.pipeline_parallel_degree: 1"
         )
-    stage = model if keep else copy.deepcopy(model)
+    stage = model
     n_main = sum(layout)
     mine = [str(i) for i in stage_blocks(layout)[index]]
     first, last = index == 0, index == len(layout) - 1

@@ -36,7 +36,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
 from titan_kedro.config.layout import INTERLEAVED_SCHEDULES
-from titan_kedro.models.tensor_parallel import loss_context
+from titan_kedro.models.tensor_parallel import loss_context, reduce_partial_gradients
 from titan_kedro.train.grad_clip import clip_grad_norm_
 from titan_kedro.train.metrics import memory_metrics
 from titan_kedro.train.mtp import mtp_loss, mtp_loss_weight
@@ -124,6 +124,8 @@ class PipelineTrainStep(TrainStep):
         self._recorded = {}
         data_time = self._run_schedule()
         params = [p for part in parts for p in part.parameters() if p.requires_grad]
+        if self.config.layout.tp > 1:  # without FSDP, the sequence-parallel norms' sums
+            reduce_partial_gradients(params)
         grad_norm = clip_grad_norm_(params, self.config.training.max_norm, holders=self.holders)
         aux = [v for part in parts for v in take_aux_values(part)]
         loss_value = reads.scalar(self.dp_mean(self._pipeline_sum(self._recorded.get("ce", []))))
