@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from train.helpers import TINY_DEEPSEEK
 
 from titan_kedro.config.layout import Layout
@@ -133,6 +134,9 @@ def test_a_pipelined_plan_is_its_heaviest_rank_plus_in_flight_microbatches_and_b
             "peak_at": {"phase": "backward"},
             "cost": {"roofline_step_time_s": 2.0},
             "layout": {},
+            "compute_dtype": "bfloat16",
+            "reduce_dtype": "float32",
+            "figures": {},
         }
 
     plan = pipelined_plan(job, measure)
@@ -145,9 +149,17 @@ def test_a_pipelined_plan_is_its_heaviest_rank_plus_in_flight_microbatches_and_b
     assert stage.model_args.first_k_dense_replace == 0
     assert stage.config.launch.world_size == 2 and stage.config.layout.pp == 1
     assert stage.config.training.local_batch_size == 1 and stage.config.layout.grad_accum_steps == 2
+    # The stage holds all its parameters' gradients unsharded in float32 through the step
+    # (the schedule's gradient sync is off but for the last microbatch), and keeps every
+    # block's gathered bf16 parameters from forward to backward (reshard_after_forward
+    # never under PP): 4 + 2 bytes per parameter of the stage (no TP, no EP here).
+    with torch.device("meta"):
+        n_stage = sum(p.numel() for p in job.spec.build_model(stage.model_args).parameters())
+    held = plan["pipeline"]["held_bytes"]
+    assert held == {"unsharded_grads": 4 * n_stage, "gathered_params": 2 * n_stage}
     # 1F1B's first rank holds min(pp 2, 2 microbatches) = 2 microbatches' activations.
-    assert plan["bytes_per_rank"]["total"] == 60 * gib
-    assert plan["fits"] and plan["headroom_gib"] == pytest.approx(80 - 2 - 60)
+    assert plan["bytes_per_rank"]["total"] == 60 * gib + 6 * n_stage
+    assert plan["fits"] and plan["headroom_gib"] == pytest.approx(80 - 2 - 60, abs=0.01)
     # Bubble (2 − 1) / 2 microbatches: 2 s × 1.5.
     assert plan["cost"]["roofline_step_time_s"] == pytest.approx(3.0)
     assert plan["layout"]["pp"] == 2 and plan["world_size"] == 4
@@ -193,6 +205,9 @@ def test_auto_recompute_of_a_pipelined_stage_is_chosen_again_for_the_held_microb
             "cost": {"roofline_step_time_s": 2.0},
             "layout": {},
             "extrapolated": {"measured_blocks": 2},
+            "compute_dtype": "bfloat16",
+            "reduce_dtype": "float32",
+            "figures": {},
         }
 
     plan = pipelined_plan(resolve_job_config(raw), measure)
@@ -200,7 +215,9 @@ def test_auto_recompute_of_a_pipelined_stage_is_chosen_again_for_the_held_microb
     # leave each ≤ (78 − 40) / 2 = 19 GiB: the stage is planned again for 40 + 19 GiB of
     # budget, 61 GiB with the 2 reserved. Its 15 GiB per microbatch then fit: 40 + 30.
     assert budgets == [80.0, pytest.approx(61.0)]
-    assert plan["bytes_per_rank"]["total"] == 70 * gib
+    assert plan["bytes_per_rank"]["total"] == 70 * gib + sum(
+        plan["pipeline"]["held_bytes"].values()
+    )
     assert plan["device_memory_gib"] == 80.0 and plan["fits"]
 
 

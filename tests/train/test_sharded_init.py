@@ -6,7 +6,8 @@ only then allocates and initialises each rank's shards (``models/sharded_init``)
 column-parallel ``wq`` is used) and Llama 3 in several layouts the way the trainer does, gather every parameter back to its
 full tensor and compare it, bitwise, to the model one process builds with the same seed.
 A custom model whose ``init_weights`` uses ``torch.nn.init`` is refused on shards, naming
-the parameters and the method to write.
+the parameters and the method to write. Under pipelining a stage keeps its gathered
+parameters after forward (``parallelism.fsdp_reshard_after_forward: default``).
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def _check_layouts(rank: int, world: int, root: str) -> None:
         expected = dict(reference.named_parameters())
         for parallelism in layouts:
             seen = 0
-            for part in _sharded_parts(_config(Path(root) / "x", tokens, model, parallelism)):
+            parts = _sharded_parts(_config(Path(root) / "x", tokens, model, parallelism))
+            for part in parts:
                 for name, param in part.named_parameters():
                     full = param.full_tensor() if isinstance(param, DTensor) else param
                     want = expected[clean_name(name)]
@@ -109,6 +111,23 @@ def _check_layouts(rank: int, world: int, root: str) -> None:
                     seen += 1
             # A pipeline rank holds a share of the parameters, the others all of them.
             assert seen == len(expected) or "pipeline_parallel_degree" in parallelism, seen
+            if model == "llama3" and "tensor_parallel_degree" not in parallelism:
+                _check_reshard_after_forward(parts, pipelined=True)
+    # Without pipelining a block frees its gathered parameters after forward (ZeRO-3).
+    flat = _sharded_parts(_config(Path(root) / "x", tokens, "llama3", {}))
+    _check_reshard_after_forward(flat, pipelined=False)
+
+
+def _check_reshard_after_forward(parts: list[nn.Module], *, pipelined: bool) -> None:
+    # parallelism.fsdp_reshard_after_forward: default keeps a stage's gathered parameters
+    # from forward to backward (one all-gather per step, not one per microbatch): after a
+    # forward its blocks hold plain (unsharded) tensors; otherwise sharded DTensors again.
+    for part in parts:
+        first = getattr(part, "pipeline_stage", {"first": True})["first"]
+        x = torch.randint(0, 512, (2, 16)) if first else torch.randn(2, 16, 64)
+        part(x)
+        kept = [not isinstance(p, DTensor) for p in part.layers.parameters()]
+        assert all(kept) if pipelined else not any(kept), (pipelined, kept)
 
 
 def test_every_layout_starts_from_one_process_weights(tmp_path: Path) -> None:

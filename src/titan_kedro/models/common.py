@@ -50,8 +50,7 @@ class RMSNorm(nn.Module):
         # Cast back before the gain, as transformers does, so bf16 outputs match bit for bit.
         return self.weight * x.to(dtype)
 
-    def reset_parameters(self) -> None:
-        """Gain back to one."""
+    def reset_parameters(self) -> None:  # gain back to one
         init.ones_(self.weight)
 
     def extra_repr(self) -> str:
@@ -383,11 +382,8 @@ def attention(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """Causal attention of ``[batch, heads, seq, dim]`` tensors under ``mask``.
-
-    ``None`` is plain causal attention (SDPA ``is_causal``), a tensor is an SDPA bool
-    mask, and a ``BlockMask`` runs FlexAttention.
-    """
+    """Causal attention of ``[batch, heads, seq, dim]`` tensors under ``mask``: ``None`` is
+    plain causal (SDPA ``is_causal``), a tensor an SDPA bool mask, a ``BlockMask`` Flex."""
     if mask is None:
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa

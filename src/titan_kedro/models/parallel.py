@@ -117,11 +117,12 @@ def apply_fsdp(
     kwargs: dict[str, Any] = {
         "mesh": dp_mesh,
         "mp_policy": mixed_precision(param_dtype, reduce_dtype),
+        "reshard_after_forward": reshard_after_forward,
     }
     for block in _blocks(model).values():
         if before_block is not None:
             before_block(block, kwargs)
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+        fully_shard(block, **kwargs)
     embeddings = getattr(model, "tok_embeddings", None)
     if isinstance(embeddings, nn.Embedding) and param_dtype != torch.float32:
         # A lookup reads a few rows: casting the whole table to param_dtype every step
@@ -137,7 +138,7 @@ def apply_fsdp(
             reshard_after_forward=reshard_after_forward,
         )
     # The root (embeddings, final norm, output) is needed again at once by backward.
-    fully_shard(model, reshard_after_forward=False, **kwargs)
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     return model
 
 
@@ -164,6 +165,15 @@ def autocast_dtype(model: nn.Module, job_config: Any, device: torch.device) -> t
     return param_dtype
 
 
+def reshard_after_forward(job_config: Any, *, pipelined: bool) -> bool:
+    """``parallelism.fsdp_reshard_after_forward`` resolved: ``default`` frees the gathered
+    parameters after forward except in a pipeline stage."""
+    choice = job_config.parallelism.fsdp_reshard_after_forward
+    if choice == "default":
+        return not pipelined
+    return choice == "always"
+
+
 def parallelize_dense(model: nn.Module, parallel_dims: Any, job_config: Any) -> nn.Module:
     """Activation checkpointing, optional compile, and FSDP2 over ``parallel_dims.fsdp_mesh``.
 
@@ -183,5 +193,9 @@ def parallelize_dense(model: nn.Module, parallel_dims: Any, job_config: Any) -> 
         return model
     param_dtype, reduce_dtype = training_dtypes(job_config, parallel_dims.device)
     return apply_fsdp(
-        model, parallel_dims.fsdp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype
+        model,
+        parallel_dims.fsdp_mesh,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        reshard_after_forward=reshard_after_forward(job_config, pipelined=parallel_dims.pp_enabled),
     )

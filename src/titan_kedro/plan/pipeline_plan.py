@@ -59,6 +59,11 @@ def pipelined_plan(
     per_rank = dict(plan["bytes_per_rank"])
     per_rank["activations"] = per_rank.get("activations", 0) + extra
     per_rank["total"] += extra
+    held = stage_held_bytes(stage, plan)
+    for kind, value in held.items():
+        added = max(0, value - per_rank.get(kind, 0))  # what the stage plan did not count
+        per_rank[kind] = per_rank.get(kind, 0) + added
+        per_rank["total"] += added
     plan["bytes_per_rank"] = per_rank
     plan["gib_per_rank"] = {kind: value / GIB for kind, value in per_rank.items()}
     plan["headroom_gib"] = (
@@ -82,9 +87,55 @@ def pipelined_plan(
         "(titan_kedro.plan.pipeline_plan)",
         "rank_blocks": blocks,
         "in_flight_activation_bytes": extra,
+        "held_bytes": held,
         "bubble": bubble,
     }
+    for kind in held:
+        plan["figures"][kind] = {
+            "bytes": per_rank[kind],
+            "method": "the stage's parameters on this rank (dense over TP, experts over EP), "
+            "unsharded through the step (titan_kedro.plan.pipeline_plan.stage_held_bytes)",
+        }
     return plan
+
+
+def stage_held_bytes(stage: ResolvedJob, plan: dict[str, Any]) -> dict[str, int]:
+    """What a pipelined stage holds unsharded through a step, beside the ZeRO-3 plan.
+
+    torch's schedules run every microbatch but the last with FSDP's gradient sync off
+    (``set_requires_gradient_sync(False)``, ``set_reshard_after_backward(False)``), so
+    the stage accumulates **unsharded gradients** of all its parameters, in the reduce
+    dtype (``unsharded_grads``, replacing the block's reduce-scatter buffer the stage plan measured); with ``fsdp_reshard_after_forward`` ``never``
+    (the default under PP) it also keeps every block's **gathered parameters**, in the
+    compute dtype, from the first forward to the last backward (``gathered_params``,
+    replacing the block or two the stage plan measured). A rank's unsharded share is its
+    TP slice of the dense parameters and its EP slice of the routed experts (FSDP gathers
+    only over the data-parallel ranks).
+
+    Returns:
+        ``{"unsharded_grads": …, "gathered_params": …}`` (the latter only when
+        parameters are kept).
+    """
+    import torch
+
+    from titan_kedro.models.parallel import reshard_after_forward
+
+    with torch.device("meta"):
+        model = stage.spec.build_model(stage.model_args)
+    experts = {
+        id(p)
+        for m in (model.moe_layers() if hasattr(model, "moe_layers") else [])
+        for p in m.experts.parameters()
+    }
+    layout = stage.config.layout
+    dense = sum(p.numel() for p in model.parameters() if id(p) not in experts)
+    routed = sum(p.numel() for p in model.parameters() if id(p) in experts)
+    local = dense / layout.tp + routed / layout.ep
+    size = {name: getattr(torch, plan[name]).itemsize for name in ("compute_dtype", "reduce_dtype")}
+    held = {"unsharded_grads": int(local * size["reduce_dtype"])}
+    if not reshard_after_forward(stage.config, pipelined=True):
+        held["gathered_params"] = int(local * size["compute_dtype"])
+    return held
 
 
 def _squeezed(stage: ResolvedJob, plan: dict[str, Any], extra: int) -> ResolvedJob | None:

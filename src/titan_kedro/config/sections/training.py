@@ -128,6 +128,13 @@ class ParallelismSection(Section):
     pipeline_layout: list[StrictInt] | None = None
     """Main blocks per stage, in stage order (e.g. ``[3, 5]``); None: split to balance the
     estimated FLOPs of each stage (``models/pipeline_split.py``)."""
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free a block's gathered parameters after its forward (``always``: ZeRO-3, gathered
+    again for backward) or keep them until its backward (``never``: ZeRO-2-like, one
+    all-gather per block per step, more memory). ``default``: ``never`` under pipeline
+    parallelism, where the schedule runs every microbatch of a stage with its gradients
+    unsharded anyway and ``always`` would gather the stage again for each microbatch's
+    backward; ``always`` otherwise (torchtitan's rule)."""
 
 
 class FaultToleranceSection(Section):

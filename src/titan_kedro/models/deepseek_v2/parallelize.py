@@ -24,7 +24,13 @@ from torch.distributed.tensor import DTensor, Shard
 from titan_kedro.models.deepseek_v2.expert_parallel import shard_experts
 from titan_kedro.models.deepseek_v2.moe import GroupedExperts
 from titan_kedro.models.deepseek_v2.tensor_parallel import apply_deepseek_tensor_parallel
-from titan_kedro.models.parallel import apply_ac, apply_compile, apply_fsdp, training_dtypes
+from titan_kedro.models.parallel import (
+    apply_ac,
+    apply_compile,
+    apply_fsdp,
+    reshard_after_forward,
+    training_dtypes,
+)
 
 
 def grouped_experts(module: nn.Module) -> list[GroupedExperts]:
@@ -54,6 +60,7 @@ def _shard_experts_fsdp(parallel_dims: Any):
                 experts,
                 mesh=mesh,
                 mp_policy=fsdp_kwargs["mp_policy"],
+                reshard_after_forward=fsdp_kwargs["reshard_after_forward"],
                 shard_placement_fn=placement,
             )
             _scale_expert_gradients(experts, parallel_dims)
@@ -115,5 +122,6 @@ def parallelize_deepseek_v2(model: nn.Module, parallel_dims: Any, job_config: An
         parallel_dims.fsdp_mesh,
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
+        reshard_after_forward=reshard_after_forward(job_config, pipelined=parallel_dims.pp_enabled),
         before_block=before_block,
     )
