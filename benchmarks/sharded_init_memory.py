@@ -38,6 +38,7 @@ def job(overrides: dict[str, int]) -> dict[str, Any]:
         "model": {"name": "deepseek_v2", "flavor": "debugmodel", "overrides": overrides},
         "training": {"steps": 2, "seq_len": 64, "local_batch_size": 1, "device": "cpu",
                      "num_threads": 1, "fused_loss": True},
+        "lr_scheduler": {"warmup_steps": 1},
         "parallelism": {"expert_parallel_degree": 1},
         "launch": {"nproc_per_node": RANKS},
         "metrics": {"log_freq": 1, "enable_mlflow": False},
