@@ -62,7 +62,7 @@ def measure(src: str | None) -> dict[str, float]:
             row = worker_peak_resident(job(overrides), RANKS, env=env, timeout_s=1500)
             peaks[name] = row["vmhwm_gib"]
         except Exception as err:  # a rank killed for lack of memory, for instance
-            print(f"  {name}: failed ({str(err).splitlines()[0][:200]})")
+            print(f"  {name}: failed: {str(err)[-1500:]}")
             peaks[name] = float("nan")
     return peaks
 
