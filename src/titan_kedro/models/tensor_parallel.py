@@ -19,11 +19,11 @@ Layout of activations (Megatron-LM's sequence parallelism, as in torchtitan):
 Parameters of the split projections are ``DTensor`` on the ``tp`` mesh (``Shard`` over
 rows or columns); FSDP2 then shards them over the data-parallel mesh as well (2-D). The
 sequence-parallel norms are ``Replicate`` ``DTensor``: their gradients come out
-``Partial`` (one sequence shard each) and are summed by FSDP's reduction, or by
-:func:`reduce_partial_gradients` (the step's, before clipping) without FSDP. Plain parameters used on the gathered
-activations (the MLA down-projections and their norms) get the same, whole gradient on
-every ``tp`` rank, because a column-parallel layer all-reduces its input's gradient (a
-partial sum over this rank's columns) over ``tp``.
+``Partial`` (one sequence shard each) and are summed by FSDP's reduction, or without FSDP
+by :func:`reduce_partial_gradients` (the step's, before clipping). Plain parameters used
+on the gathered activations (the MLA down-projections and their norms) get the same, whole
+gradient on every ``tp`` rank, because a column-parallel layer all-reduces its input's
+gradient (a partial sum over this rank's columns) over ``tp``.
 
 The fused output loss (``train/fused_loss``) multiplies a whole output weight chunk by
 chunk; under TP that weight is split over the vocabulary, so the trainer uses this
@@ -178,12 +178,8 @@ def reduce_partial_gradients(params: Iterable[torch.Tensor]) -> int:
                 )
         key = (id(grad.device_mesh), partial, grad.to_local().dtype)
         buckets.setdefault(key, []).append(param)
-    for members in buckets.values():
-        first = members[0].grad
-        mesh, partial = (
-            first.device_mesh,
-            [i for i, p in enumerate(first.placements) if p.is_partial()],
-        )
+    for (_, partial, _), members in buckets.items():
+        mesh = members[0].grad.device_mesh
         locals_ = [param.grad.to_local() for param in members]
         flat = torch.cat([t.reshape(-1) for t in locals_])
         for dim in partial:
