@@ -28,7 +28,11 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from titan_kedro.config.layout import INTERLEAVED_SCHEDULES
+from titan_kedro.models.counting import count_parameters
+from titan_kedro.models.parallel import reshard_after_forward
 from titan_kedro.models.pipeline_split import pipeline_layout
 from titan_kedro.models.resolve import ResolvedJob, resolve_job_config
 from titan_kedro.plan.devices import GIB
@@ -105,8 +109,8 @@ def stage_held_bytes(stage: ResolvedJob, plan: dict[str, Any]) -> dict[str, int]
     torch's schedules run every microbatch but the last with FSDP's gradient sync off
     (``set_requires_gradient_sync(False)``, ``set_reshard_after_backward(False)``), so
     the stage accumulates **unsharded gradients** of all its parameters, in the reduce
-    dtype (``unsharded_grads``, replacing the block's reduce-scatter buffer the stage plan measured); with ``fsdp_reshard_after_forward`` ``never``
-    (the default under PP) it also keeps every block's **gathered parameters**, in the
+    dtype (``unsharded_grads``, replacing the block's reduce-scatter buffer the stage plan
+    measured); with ``fsdp_reshard_after_forward`` ``never`` (the default under PP) it also keeps every block's **gathered parameters**, in the
     compute dtype, from the first forward to the last backward (``gathered_params``,
     replacing the block or two the stage plan measured). A rank's unsharded share is its
     TP slice of the dense parameters and its EP slice of the routed experts (FSDP gathers
@@ -116,20 +120,11 @@ def stage_held_bytes(stage: ResolvedJob, plan: dict[str, Any]) -> dict[str, int]
         ``{"unsharded_grads": …, "gathered_params": …}`` (the latter only when
         parameters are kept).
     """
-    import torch
-
-    from titan_kedro.models.parallel import reshard_after_forward
-
     with torch.device("meta"):
-        model = stage.spec.build_model(stage.model_args)
-    experts = {
-        id(p)
-        for m in (model.moe_layers() if hasattr(model, "moe_layers") else [])
-        for p in m.experts.parameters()
-    }
+        counts = count_parameters(stage.spec.build_model(stage.model_args))
     layout = stage.config.layout
-    dense = sum(p.numel() for p in model.parameters() if id(p) not in experts)
-    routed = sum(p.numel() for p in model.parameters() if id(p) in experts)
+    routed = counts.routed_experts
+    dense = counts.total - routed
     local = dense / layout.tp + routed / layout.ep
     size = {name: getattr(torch, plan[name]).itemsize for name in ("compute_dtype", "reduce_dtype")}
     held = {"unsharded_grads": int(local * size["reduce_dtype"])}
